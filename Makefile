@@ -1,0 +1,38 @@
+# The two set-up commands: `make run` (serve the default model) and `make test` (the suite).
+# Both create .venv in the repository root and install the project into it on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install run test typecheck protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --progress-bar on -e '.[prepare,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Prepares SmolLM2-135M-Instruct once (~25 s), then serves llmserve.v1.Generation on
+# 127.0.0.1:50051 until Ctrl-C. Flags pass through: make run ARGS="--port 50061 --dtype float32"
+run: install
+	$(VENV)/bin/llmserve prepare-model
+	exec $(VENV)/bin/llmserve up $(ARGS)
+
+test: install typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+typecheck: install
+	$(VENV)/bin/mypy common scheduler_svc
+
+protos: install
+	$(PY) -m common.protogen
+
+bench: install
+	$(PY) benchmarks/throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

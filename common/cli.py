@@ -1,0 +1,306 @@
+"""`llmserve`: the entry point (the only place that reads flags and environment).
+
+    llmserve up          scheduler + one worker on this machine (what `make run` starts)
+    llmserve scheduler   the scheduler service alone, driving a worker at --worker
+    llmserve worker      one worker service alone
+    llmserve generate    stream one generation from a running service to the terminal
+    llmserve prepare-model   download and convert the default model into the cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from common import log as logsetup
+from common.config import DTYPES, CacheConfig, SchedulerConfig, ServerConfig, WorkerConfig
+
+log = structlog.get_logger("llmserve")
+
+
+# ---- flags ----
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2-135M-Instruct)")
+
+
+def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port; 0 = off (default)")
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)"
+    )
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = bfloat16 where fast, else float32")
+    p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="memory the KV pool may take (CPU default 2)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="llmserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
+    sub = root.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the scheduler and one worker locally")
+    _add_model_flags(up)
+    _add_server_flags(up, 50051)
+    _add_scheduler_flags(up)
+    _add_worker_flags(up)
+
+    sched = sub.add_parser("scheduler", help="run the scheduler service alone")
+    _add_model_flags(sched)
+    _add_server_flags(sched, 50051)
+    _add_scheduler_flags(sched)
+    sched.add_argument("--worker", required=True, help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock")
+    sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
+
+    worker = sub.add_parser("worker", help="run one worker service alone")
+    _add_model_flags(worker)
+    worker.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:///path)")
+    worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
+    worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_worker_flags(worker)
+
+    gen = sub.add_parser("generate", help="stream one generation from a running service")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+
+    sub.add_parser("prepare-model", help="download and convert the default model (once)")
+    return root
+
+
+# ---- commands ----
+
+def _model_dir(arg: str | None) -> str:
+    if arg:
+        return arg
+    from common.model_prep import prepare_default_model
+
+    return str(prepare_default_model())
+
+
+def _run_until_signal(body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run `body(stop)` in an event loop; SIGINT and SIGTERM set `stop`."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await body(stop)
+
+    asyncio.run(main())
+
+
+def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+
+
+def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
+    return WorkerConfig(
+        model=model,
+        dtype=a.dtype,
+        device=a.device,
+        cache=CacheConfig(block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb),
+        max_num_batched_tokens=a.max_num_batched_tokens,
+    )
+
+
+def cmd_scheduler(a: argparse.Namespace) -> None:
+    from scheduler_svc.server import SchedulerServer
+
+    model = _model_dir(a.model)
+
+    async def body(stop: asyncio.Event) -> None:
+        # gRPC aio objects belong to the running loop: build the server inside it.
+        server = SchedulerServer(
+            model,
+            a.worker,
+            ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
+            _scheduler_config(a),
+            step_timeout=a.step_timeout,
+        )
+        await server.serve_until(stop)
+
+    _run_until_signal(body)
+
+
+def cmd_worker(a: argparse.Namespace) -> None:
+    from worker_svc.server import WorkerServer
+
+    if a.parent_pid is not None:
+        _exit_with_parent(a.parent_pid)
+    server = WorkerServer(_worker_config(a, _model_dir(a.model)), a.listen)
+    _run_until_signal(server.serve_until)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM when the parent dies, so no worker outlives `llmserve up`, even on SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(0)
+
+
+def cmd_up(a: argparse.Namespace) -> None:
+    from scheduler_svc.server import SchedulerServer
+
+    model = _model_dir(a.model)
+    _worker_config(a, model)  # validate worker flags before starting anything
+    sockdir = tempfile.mkdtemp(prefix="llmserve-")
+    address = f"unix://{sockdir}/worker.sock"
+    worker_cmd = [
+        sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model, "--listen", address,
+        "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+        "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--parent-pid", str(os.getpid()),
+    ]
+    if a.num_gpu_blocks is not None:
+        worker_cmd += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
+    if a.kv_cache_gb is not None:
+        worker_cmd += ["--kv-cache-gb", str(a.kv_cache_gb)]
+
+
+    async def body(stop: asyncio.Event) -> None:
+        worker = _Supervised(worker_cmd)
+        worker.start()
+        server = SchedulerServer(
+            model,
+            address,
+            ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
+            _scheduler_config(a),
+        )
+        await server.start()
+        try:
+            while not stop.is_set():
+                worker.restart_if_dead()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        finally:
+            log.info("shutting_down")
+            await server.stop()
+            worker.stop()
+            with contextlib.suppress(OSError):
+                os.unlink(f"{sockdir}/worker.sock")
+                os.rmdir(sockdir)
+
+    _run_until_signal(body)
+
+
+class _Supervised:
+    """The local worker process of `llmserve up`, restarted if it dies (the engine reconnects)."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd)
+        log.info("worker_started", pid=self.proc.pid)
+
+    def restart_if_dead(self) -> None:
+        if self.proc is None or self.proc.poll() is None:
+            return
+        self.restarts += 1
+        log.error("worker_exited", pid=self.proc.pid, returncode=self.proc.returncode, restarts=self.restarts)
+        time.sleep(min(2.0**self.restarts, 30.0))
+        self.start()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        log.info("worker_stopped", pid=self.proc.pid, returncode=self.proc.returncode)
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    import grpc
+
+    from common.pb.llmserve.v1 import generation_pb2 as pb
+    from common.pb.llmserve.v1 import generation_pb2_grpc
+
+    sampling = pb.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    if a.seed is not None:
+        sampling.seed = a.seed
+    request = pb.GenerateRequest(
+        prompt=a.prompt,
+        sampling=sampling,
+        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos),
+    )
+    with grpc.insecure_channel(a.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        last = None
+        try:
+            for last in stub.Generate(request):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+        except grpc.RpcError as error:
+            sys.stdout.write("\n")
+            sys.exit(f"error: {error.code().name}: {error.details()}")
+    sys.stdout.write("\n")
+    if last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"[{last.prompt_tokens} prompt tokens, {last.completion_tokens} generated, finish: {reason}]", file=sys.stderr)
+
+
+def cmd_prepare_model(a: argparse.Namespace) -> None:
+    from common.model_prep import prepare_default_model
+
+    print(prepare_default_model())
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "up": cmd_up,
+    "scheduler": cmd_scheduler,
+    "worker": cmd_worker,
+    "generate": cmd_generate,
+    "prepare-model": cmd_prepare_model,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logsetup.configure(args.log_level)
+    try:
+        COMMANDS[args.command](args)
+    except ValueError as error:
+        # Configuration mistakes (bad flags, bad model directory) are the user's to fix.
+        log.error("invalid_configuration", reason=str(error))
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

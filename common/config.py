@@ -1,0 +1,88 @@
+"""Configuration as frozen dataclasses, validated once at construction.
+
+Built at the entry points (CLI, tests) and passed explicitly. Capacity discovered at run time
+(KV blocks, max_model_len) is returned by whoever discovers it, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape and size of the paged KV cache."""
+
+    block_size: int = 16
+    # Overrides the profiled number of KV blocks (GPU) or the size derived from kv_cache_gb (CPU).
+    num_gpu_blocks: int | None = None
+    # Memory the KV pool may take. None: 2 GiB on CPU; on CUDA, what is left of
+    # gpu_memory_utilization of the device after the weights and a profiling forward pass.
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _require(self.num_gpu_blocks is None or self.num_gpu_blocks > 0, "num_gpu_blocks must be positive")
+        _require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb must be positive")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must lie in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of the scheduler."""
+
+    max_num_seqs: int = 256
+    # Token budget of one step: prefill chunks and decodes together.
+    max_num_batched_tokens: int = 2048
+    # Fraction of the KV pool kept free when admitting new prompts, so running sequences can grow
+    # a little before anything has to be preempted.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+        _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process loads and where it runs."""
+
+    model: str
+    dtype: str = "auto"
+    # "auto" (cuda:0 when CUDA is present, else cpu), "cpu" or "cuda[:N]".
+    device: str = "auto"
+    cache: CacheConfig = CacheConfig()
+    # Largest step the worker profiles memory for; set to the scheduler's token budget.
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Prometheus metrics over HTTP; 0 turns them off.
+    metrics_port: int = 0
+    # Seconds in-flight calls get to finish on shutdown.
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port must lie in [0, 65535], got {self.port}")
+        _require(0 <= self.metrics_port < 65536, f"metrics_port must lie in [0, 65535], got {self.metrics_port}")

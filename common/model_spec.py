@@ -1,0 +1,58 @@
+"""What the scheduler must know about a model, read from its files without torch.
+
+The scheduler service imports no torch, and transformers' config and tokenizer classes pull
+torch in, so config.json and generation_config.json are read here as plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _as_id_set(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        root = Path(path)
+        config = _load_json(root / "config.json")
+        if not config:
+            raise ValueError(f"{root} has no config.json: not a Hugging Face model directory")
+        text_config = config.get("text_config", config)
+        generation = _load_json(root / "generation_config.json")
+        # generate() stops on generation_config's eos ids when it has them; follow it so greedy
+        # outputs match transformers.
+        eos = _as_id_set(generation.get("eos_token_id")) or _as_id_set(text_config.get("eos_token_id"))
+        return cls(
+            path=str(root),
+            name=root.name,
+            vocab_size=int(text_config["vocab_size"]),
+            max_model_len=int(text_config.get("max_position_embeddings", 2048)),
+            eos_token_ids=eos,
+        )

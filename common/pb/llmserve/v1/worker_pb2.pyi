@@ -1,0 +1,80 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    rank: int
+    world_size: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+
+class SamplingBatch(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    temperature: bytes
+    top_p: bytes
+    top_k: bytes
+    seed: bytes
+    output_position: bytes
+    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seq_ids: bytes
+    query_lens: bytes
+    context_lens: bytes
+    input_ids: bytes
+    block_tables: bytes
+    block_table_width: int
+    sample: bytes
+    sampling: SamplingBatch
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled_token_ids: bytes
+    execute_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,92 @@
+"""The step plan and its result: everything a stateless worker needs for one step.
+
+Both sides hold these as numpy arrays (never per-sequence Python objects), because a plan of
+hundreds of sequences is built, encoded and decoded every few milliseconds. The wire form is
+packed little-endian bytes of the same arrays (`scheduler_svc.wire`, `worker_svc.wire`).
+
+Token layout of one step, for three sequences fed 3, 1 and 2 tokens:
+
+    input_ids        [ a0 a1 a2 | b0 | c0 c1 ]
+    query_lens       [    3     |  1 |   2   ]
+    context_lens     [   c_a    | c_b|  c_c  ]   tokens already in the cache before this step
+    position of a1 = c_a + 1; a sequence's tokens are positions [c, c + q) of that sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-sequence sampling parameters, one entry per sequence of the plan."""
+
+    temperature: F32  # 0 = greedy
+    top_p: F32  # 1 = off
+    top_k: I32  # 0 = off
+    seed: I64  # reinterpreted uint64 bits
+    # Index of the output token sampled this step (0 for the first). With the seed it fixes
+    # the randomness, so a recomputed or re-batched sequence draws the same token.
+    output_position: I32
+
+    @classmethod
+    def empty(cls) -> SamplingBatch:
+        return cls(
+            temperature=np.zeros(0, np.float32),
+            top_p=np.zeros(0, np.float32),
+            top_k=np.zeros(0, np.int32),
+            seed=np.zeros(0, np.int64),
+            output_position=np.zeros(0, np.int32),
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    seq_ids: I64  # [num_seqs]
+    query_lens: I32  # [num_seqs] tokens fed this step
+    context_lens: I32  # [num_seqs] tokens already in the KV cache
+    input_ids: I32  # [sum(query_lens)]
+    block_tables: I32  # [num_seqs, width], padded with 0 past each sequence's blocks
+    sample: U8  # [num_seqs] 1 where this step's last token yields a new sampled token
+    sampling: SamplingBatch = field(default_factory=SamplingBatch.empty)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def validate(self) -> None:
+        """Shape checks the worker runs on every decoded plan, before touching its cache."""
+        n = self.num_seqs
+        for name in ("query_lens", "context_lens", "sample"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"plan.{name} has shape {getattr(self, name).shape}, want ({n},)")
+        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
+            raise ValueError(f"plan.block_tables has shape {self.block_tables.shape}, want ({n}, width)")
+        if int(self.query_lens.sum()) != self.num_tokens:
+            raise ValueError("plan.input_ids length differs from the sum of query_lens")
+        if n and int(self.query_lens.min()) < 1:
+            raise ValueError("plan.query_lens must be positive")
+        for name in ("temperature", "top_p", "top_k", "seed", "output_position"):
+            if getattr(self.sampling, name).shape != (n,):
+                raise ValueError(f"plan.sampling.{name} must have one entry per sequence")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    # [num_seqs] the sampled token of each sequence, -1 where plan.sample is 0.
+    sampled_token_ids: I32
+    execute_seconds: float = 0.0

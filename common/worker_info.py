@@ -1,0 +1,19 @@
+"""What a worker reports at the handshake: the model it serves and the KV capacity it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    rank: int
+    world_size: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int

@@ -1,0 +1,1 @@
+"""The scheduler service: queues, KV block accounting and the engine loop. CPU only: no torch."""

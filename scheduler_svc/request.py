@@ -1,0 +1,119 @@
+"""A generation request as the engine sees it, its validation, and what it streams back.
+
+Validation happens here, once, before anything is queued: a bad request is refused with an
+INVALID_ARGUMENT naming the field, a request that could never fit the KV pool with
+RESOURCE_EXHAUSTED (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.errors import InvalidArgument
+from common.model_spec import ModelSpec
+from scheduler_svc.sequence import FinishReason, SamplingParams, StoppingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Fields of a GenerateRequest, as given by the client (not yet validated)."""
+
+    request_id: str
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 0.0  # 0 = unset = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 0  # 0 = until another condition or the end of the context
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One streamed piece of a generation."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and this deployment allow."""
+
+    vocab_size: int
+    max_model_len: int
+    max_stop_strings: int = 16
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> Limits:
+        return cls(vocab_size=spec.vocab_size, max_model_len=spec.max_model_len)
+
+
+def check_fields(req: GenerationRequest, limits: Limits) -> None:
+    """Checks that need no tokenizer; raises InvalidArgument naming the field."""
+    if req.prompt and req.prompt_token_ids:
+        raise InvalidArgument("prompt", "set exactly one of prompt and prompt_token_ids, not both")
+    if not req.prompt and not req.prompt_token_ids:
+        raise InvalidArgument("prompt", "empty prompt: set prompt or prompt_token_ids")
+    for i, token in enumerate(req.prompt_token_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidArgument(
+                f"prompt_token_ids[{i}]", f"token id {token} is outside the vocabulary (size {limits.vocab_size})"
+            )
+    if not math.isfinite(req.temperature) or req.temperature < 0:
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {req.temperature}")
+    if math.isnan(req.top_p) or not 0 <= req.top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"must lie in (0, 1] (0 means unset), got {req.top_p}")
+    for i, token in enumerate(req.stop_token_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidArgument(
+                f"stopping.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary (size {limits.vocab_size})"
+            )
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgument("stopping.stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
+    for i, stop in enumerate(req.stop):
+        if not stop:
+            raise InvalidArgument(f"stopping.stop[{i}]", "empty stop string")
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
+    """The prompt (and max_tokens when set) must fit the model's context."""
+    if num_prompt_tokens == 0:
+        raise InvalidArgument("prompt", "the prompt tokenizes to no tokens")
+    if num_prompt_tokens >= limits.max_model_len:
+        raise InvalidArgument(
+            "prompt",
+            f"{num_prompt_tokens} prompt tokens leave no room in the model's context of {limits.max_model_len} tokens",
+        )
+    if max_tokens and num_prompt_tokens + max_tokens > limits.max_model_len:
+        raise InvalidArgument(
+            "stopping.max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
+            f"exceeds the model's context of {limits.max_model_len} tokens",
+        )
+
+
+def sampling_params(req: GenerationRequest, seed: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(req.temperature),
+        top_p=float(req.top_p) if req.top_p > 0 else 1.0,
+        top_k=int(req.top_k),
+        seed=seed,
+    )
+
+
+def stopping_params(req: GenerationRequest) -> StoppingParams:
+    return StoppingParams(
+        max_tokens=req.max_tokens or None,
+        stop=tuple(req.stop),
+        stop_token_ids=frozenset(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )

@@ -1,0 +1,87 @@
+"""The scheduler service process: Generation API, health, reflection and metrics on one server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import SchedulerConfig, ServerConfig
+from common.grpc_errors import ErrorInterceptor
+from common.model_spec import ModelSpec
+from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc.engine import Engine
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.servicer import GenerationServicer
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.worker_client import WorkerClient
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class SchedulerServer:
+    """Owns the gRPC server and the engine; `start()` binds, `stop()` drains and closes."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        worker_address: str,
+        server_config: ServerConfig,
+        scheduler_config: SchedulerConfig,
+        step_timeout: float = 600.0,
+    ) -> None:
+        self.server_config = server_config
+        spec = ModelSpec.from_dir(model_dir)
+        self.metrics = SchedulerMetrics(spec.name)
+        self.health = health.aio.HealthServicer()
+        self.engine = Engine(
+            spec,
+            Tokenizer(model_dir),
+            scheduler_config,
+            WorkerClient(worker_address, step_timeout=step_timeout),
+            metrics=self.metrics,
+            on_ready=self._on_ready,
+        )
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = 0
+
+    async def _on_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        cfg = self.server_config
+        await self._on_ready(False)
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self.server.start()
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port, cfg.host)
+        self.engine.start()
+        log.info("scheduler_listening", host=cfg.host, port=self.port, metrics_port=cfg.metrics_port or None)
+        return self.port
+
+    async def stop(self) -> None:
+        await self._on_ready(False)
+        await self.engine.stop()
+        await self.server.stop(self.server_config.grace_seconds)
+        log.info("scheduler_stopped")
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

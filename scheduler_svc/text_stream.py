@@ -1,0 +1,61 @@
+"""Incremental detokenization of one sequence, with stop strings.
+
+Tokens arrive one at a time; text leaves in pieces that never split a multi-byte character
+(`tokenizers`' DecodeStream buffers until the bytes decode) and never show a partial stop
+string: a tail of the text that could still grow into a stop string is held back until the
+next token settles it.
+
+    text so far: "The answer is 4"   stop = ["42!"]
+    emitted:     "The answer is "    held: "4"  (might become "42!")
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from scheduler_svc.tokenizer import Tokenizer
+
+# Prompt tokens given to the decoder as context, so the first output token decodes as it
+# would in the middle of the text (leading spaces of SentencePiece tokenizers).
+_CONTEXT_TOKENS = 6
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(ids=prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=True)
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.matched_stop: str | None = None
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text that can be shown now. Sets `matched_stop` on a match."""
+        if self.matched_stop is not None:
+            return ""
+        piece = self._decoder.step(self._tokenizer.backend, token_id) or ""
+        if not self._stop:
+            return piece
+        text = self._held + piece
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.matched_stop = next(s for s in self._stop if text.find(s) == cut)
+            self._held = ""
+            return text[:cut]
+        hold = self._partial_stop_suffix(text)
+        self._held = text[len(text) - hold :]
+        return text[: len(text) - hold]
+
+    def flush(self) -> str:
+        """Text held back for a stop string that never came; call once the sequence has ended."""
+        text, self._held = self._held, ""
+        return text
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,96 @@
+"""The scheduler service's protobuf edge: the only module that touches generated message types."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.arrays import pack, unpack
+from common.pb.llmserve.v1 import generation_pb2 as gen_pb
+from common.pb.llmserve.v1 import worker_pb2 as worker_pb
+from common.plan import StepPlan, StepResult
+from common.worker_info import WorkerInfo
+from scheduler_svc.request import GenerationRequest, RequestOutput
+from scheduler_svc.sequence import FinishReason
+
+_FINISH = {
+    None: gen_pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: gen_pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: gen_pb.FINISH_REASON_STOP,
+    FinishReason.STOP_SEQUENCE: gen_pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CONTEXT_LENGTH: gen_pb.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+def generation_request(msg: gen_pb.GenerateRequest) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=msg.request_id,
+        prompt=msg.prompt,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        temperature=msg.sampling.temperature,
+        top_p=msg.sampling.top_p,
+        top_k=msg.sampling.top_k,
+        seed=msg.sampling.seed if msg.sampling.HasField("seed") else None,
+        max_tokens=msg.stopping.max_tokens,
+        stop=tuple(msg.stopping.stop),
+        stop_token_ids=tuple(msg.stopping.stop_token_ids),
+        ignore_eos=msg.stopping.ignore_eos,
+    )
+
+
+def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
+    return gen_pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=_FINISH[out.finish_reason],
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+    )
+
+
+def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
+    s = plan.sampling
+    return worker_pb.StepPlan(
+        step_id=plan.step_id,
+        seq_ids=pack(plan.seq_ids, np.int64),
+        query_lens=pack(plan.query_lens, np.int32),
+        context_lens=pack(plan.context_lens, np.int32),
+        input_ids=pack(plan.input_ids, np.int32),
+        block_tables=pack(plan.block_tables, np.int32),
+        block_table_width=plan.block_tables.shape[1],
+        sample=pack(plan.sample, np.uint8),
+        sampling=worker_pb.SamplingBatch(
+            temperature=pack(s.temperature, np.float32),
+            top_p=pack(s.top_p, np.float32),
+            top_k=pack(s.top_k, np.int32),
+            seed=pack(s.seed, np.int64),
+            output_position=pack(s.output_position, np.int32),
+        ),
+    )
+
+
+def step_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        sampled_token_ids=unpack(msg.sampled_token_ids, np.int32, "sampled_token_ids", num_seqs),
+        execute_seconds=msg.execute_seconds,
+    )
+
+
+def describe_request() -> worker_pb.DescribeRequest:
+    return worker_pb.DescribeRequest()
+
+
+def worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        model_name=msg.model_name,
+        vocab_size=msg.vocab_size,
+        max_model_len=msg.max_model_len,
+        dtype=msg.dtype,
+        device=msg.device,
+        rank=msg.rank,
+        world_size=msg.world_size,
+        block_size=msg.block_size,
+        num_gpu_blocks=msg.num_gpu_blocks,
+        num_cpu_blocks=msg.num_cpu_blocks,
+    )

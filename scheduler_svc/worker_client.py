@@ -1,0 +1,80 @@
+"""The scheduler's connection to one worker: the handshake, then one bidi stream of steps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.pb.llmserve.v1 import worker_pb2_grpc
+from common.plan import StepPlan, StepResult
+from common.worker_info import WorkerInfo
+from scheduler_svc import wire
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+]
+
+
+class WorkerLost(Exception):
+    """The worker's stream broke, closed, or missed the step deadline."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    plan_bytes: int
+    roundtrip_seconds: float
+    execute_seconds: float
+
+
+class WorkerClient:
+    def __init__(self, address: str, step_timeout: float = 600.0) -> None:
+        self.address = address
+        self.step_timeout = step_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        """Wait up to `timeout` seconds for the worker, describe it, and open the step stream."""
+        await self.close()
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        try:
+            info = await stub.Describe(wire.describe_request(), wait_for_ready=True, timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            await self.close()
+            raise WorkerLost(f"worker {self.address} did not answer: {error.code().name} {error.details()}") from error
+        self._call = stub.Execute()
+        return wire.worker_info(info)
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        if self._call is None:
+            raise WorkerLost(f"worker {self.address} is not connected")
+        msg = wire.step_plan(plan)
+        size = msg.ByteSize()
+        start = time.perf_counter()
+        try:
+            await self._call.write(msg)
+            reply = await asyncio.wait_for(self._call.read(), self.step_timeout)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
+            raise WorkerLost(f"worker {self.address} failed step {plan.step_id}: {error}") from error
+        except TimeoutError as error:
+            raise WorkerLost(f"worker {self.address} missed the {self.step_timeout}s step deadline") from error
+        if reply is grpc.aio.EOF:
+            raise WorkerLost(f"worker {self.address} closed its step stream")
+        roundtrip = time.perf_counter() - start
+        result = wire.step_result(reply, plan.num_seqs)
+        if result.step_id != plan.step_id:
+            raise WorkerLost(f"worker {self.address} answered step {result.step_id} to plan {plan.step_id}")
+        return result, StepTiming(size, roundtrip, result.execute_seconds)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

@@ -1,0 +1,128 @@
+"""Paged attention behind one interface, so the Triton kernels can replace the torch path.
+
+A backend is two calls:
+  `build_metadata(...)`  once per step, from the plan's arrays (host work, index tensors);
+  `forward(q, k, v, k_cache, v_cache, meta)`  per layer: store this step's K/V into the paged
+      cache, then attend each query token to its sequence's cached tokens, causally.
+
+Cache layout (DESIGN.md section 2): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
+    block_tables: torch.Tensor  # int32 [seqs, width]
+    seq_lens: torch.Tensor  # int32 [seqs] tokens in the cache after this step
+    query_start_loc: torch.Tensor  # int32 [seqs + 1]
+    # Torch path only: sequences that feed one token (decode), attended as one padded batch.
+    decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
+    decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
+    decode_mask: torch.Tensor  # bool [decodes, 1, 1, width_d * block_size]
+    # Torch path only: (first token, query length, context length, row) of every other sequence.
+    prefills: tuple[tuple[int, int, int, int], ...]
+    store_all: bool  # no slot is -1
+
+
+class TorchPagedAttention:
+    """Reference paged attention in torch: K/V are read back from the paged cache."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def build_metadata(
+        self,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        seq_lens = context_lens + query_lens
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        is_decode = query_lens == 1
+        rows = np.flatnonzero(is_decode)
+        width_d = int(-(-seq_lens[rows].max() // block_size)) if rows.size else 0
+        mask = np.arange(width_d * block_size)[None, :] < seq_lens[rows][:, None]
+        prefills = tuple(
+            (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(~is_decode)
+        )
+
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+        return AttentionMetadata(
+            slot_mapping=t(slot_mapping, torch.int64),
+            block_tables=t(block_tables, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            query_start_loc=t(starts, torch.int32),
+            decode_token_idx=t(starts[rows], torch.int64),
+            decode_block_tables=t(block_tables[rows, :width_d], torch.int64),
+            decode_mask=t(mask[:, None, None, :], torch.bool),
+            prefills=prefills,
+            store_all=bool((slot_mapping >= 0).all()),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        kvh, d = self.num_kv_heads, self.head_dim
+        if meta.decode_token_idx.numel():
+            b = meta.decode_token_idx.shape[0]
+            qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [b, heads, 1, d]
+            kd = k_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)  # [b, kv_heads, L, d]
+            vd = v_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+            )  # [b, heads, 1, d]
+            out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+        for start, q_len, ctx, row in meta.prefills:
+            qs = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+            if ctx == 0:
+                ks = k[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
+                vs = v[start : start + q_len].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                total = ctx + q_len
+                blocks = meta.block_tables[row, : -(-total // k_cache.shape[1])].long()
+                ks = k_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, d]
+                vs = v_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                # query i sits at position ctx + i and sees positions 0 .. ctx + i
+                mask = torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _store(
+        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        slots = meta.slot_mapping
+        if not meta.store_all:
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)

@@ -1,0 +1,91 @@
+"""Loading a Hugging Face checkpoint (config.json + safetensors) into our model.
+
+No hub access: the path must be a local directory. Tensors are read one at a time from the
+safetensors files and handed to `CausalLM.load_weights`, so peak memory stays near one copy
+of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from worker_svc.model import CausalLM
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 where the hardware computes it fast, float32 elsewhere."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def load_config(model_dir: str | Path) -> Any:
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a model directory (no config.json)")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no .safetensors files")
+    return files
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None) -> CausalLM:
+    config = load_config(model_dir)
+    with torch.device(device):
+        model = CausalLM(config, dtype, max_positions)
+    model.load_weights(iter_weights(model_dir))
+    model.eval()
+    log.info(
+        "model_loaded",
+        path=str(model_dir),
+        architecture=model.shape.architecture,
+        layers=model.shape.num_layers,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    return model

@@ -1,0 +1,209 @@
+"""A Llama-family decoder over the paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+Written to read like the reference: per layer, x -> RMSNorm -> attention -> + x -> RMSNorm
+-> SwiGLU MLP -> + x. Tokens of every sequence of the step are flattened into one batch
+([tokens, hidden]); the attention backend is the only place that knows about sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker_svc.attention import AttentionMetadata, TorchPagedAttention
+from worker_svc.layers import Embedding, Linear, RMSNorm, SiluAndMul
+from worker_svc.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# Checkpoint tensors that fill one fused parameter: (fused name, checkpoint name, shard id).
+_FUSED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers that define the network, read once from the HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        archs = getattr(config, "architectures", None) or []
+        arch = archs[0] if archs else "LlamaForCausalLM"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if arch == "MistralForCausalLM" and getattr(text, "sliding_window", None) not in (None, 0):
+            if text.sliding_window < text.max_position_embeddings:
+                raise ValueError("Mistral with a sliding window shorter than the context is not supported")
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(text, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=text.rms_norm_eps,
+            max_position_embeddings=text.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 has biases on q, k, v only; Llama's attention_bias covers o_proj as well.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.qkv_proj = Linear(shape.hidden_size, {"q": h * d, "k": kvh * d, "v": kvh * d}, bias=shape.qkv_bias)
+        self.o_proj = Linear(h * d, shape.hidden_size, bias=shape.o_bias)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads, head_dim]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        inter = shape.intermediate_size
+        self.gate_up_proj = Linear(shape.hidden_size, {"gate": inter, "up": inter}, bias=shape.mlp_bias)
+        self.down_proj = Linear(inter, shape.hidden_size, bias=shape.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its LM head; `forward` returns hidden states, `compute_logits` logits."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
+        super().__init__()
+        shape = ModelShape.from_config(config)
+        self.shape = shape
+        self.rotary = RotaryEmbedding(
+            config.get_text_config() if hasattr(config, "get_text_config") else config,
+            shape.head_dim,
+            max_positions or shape.max_position_embeddings,
+            dtype,
+        )
+        self.attention = TorchPagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5)
+        self.model = DecoderModel(shape, self.rotary, self.attention)
+        # A tied head reads the embedding matrix: no second copy, and no lm_head in the checkpoint.
+        self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size)
+        self.to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens]
+        positions: torch.Tensor,  # [tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> float32 [n, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand every checkpoint tensor to its parameter's weight_loader; refuse gaps and strays."""
+        params = dict(self.named_parameters())
+        expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", ("",))}
+        loaded: set[tuple[str, str]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.shape.tie_word_embeddings):
+                continue
+            shard = None
+            for fused, original, shard_id in _FUSED:
+                if original in name:
+                    name, shard = name.replace(original, fused), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name} has no place in {self.shape.architecture}")
+            param.weight_loader(tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
+            loaded.add((name, shard or ""))
+        missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

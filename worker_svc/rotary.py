@@ -1,0 +1,62 @@
+"""Rotary position embedding (neox style: the two halves of each head rotate together).
+
+cos/sin are computed once for every position in float32, scaled by the rope type's attention
+factor, and cast to the model dtype, exactly as the reference computes them per forward.
+The rope types (linear, llama3, yarn, longrope, ...) come from transformers' own table, so
+the frequencies match the reference by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK changes the frequencies with the running sequence length; a step plan
+        # mixes many lengths, so one cos/sin table cannot serve it.
+        raise ValueError("rope_type 'dynamic' is not supported; use a fixed scaling such as 'linear' or 'yarn'")
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, factor = inverse_frequencies(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", (freqs.cos() * factor).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * factor).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]."""
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

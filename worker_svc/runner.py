@@ -1,0 +1,168 @@
+"""One step on the worker: plan arrays -> input tensors -> forward -> sampled tokens.
+
+The runner keeps no per-request state between steps (DESIGN.md section 1): everything it
+needs comes in the plan, and its only memory is the weights and the KV-cache tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import structlog
+import torch
+
+from common.config import WorkerConfig
+from common.plan import SamplingBatch, StepPlan, StepResult
+from common.worker_info import WorkerInfo
+from worker_svc import kv_cache
+from worker_svc.kv_cache import KVCache
+from worker_svc.loader import load_model, resolve_device, resolve_dtype
+from worker_svc.sampler import sample
+
+log = structlog.get_logger(__name__)
+
+
+class PlanError(ValueError):
+    """A plan that would read or write outside this worker's cache or model."""
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.shape = self.model.shape
+        self.max_model_len = self.shape.max_position_embeddings
+        self.block_size = config.cache.block_size
+        num_blocks = self._kv_capacity()
+        self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device)
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            tokens=num_blocks * self.block_size,
+            gib=round(self.kv.nbytes / kv_cache.GIB, 3),
+        )
+
+    def info(self, model_name: str) -> WorkerInfo:
+        return WorkerInfo(
+            model_name=model_name,
+            vocab_size=self.shape.vocab_size,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            rank=0,
+            world_size=1,
+            block_size=self.block_size,
+            num_gpu_blocks=self.kv.num_blocks,
+            num_cpu_blocks=0,
+        )
+
+    # ---- capacity ----
+
+    def _kv_capacity(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if cache.kv_cache_gb is not None or self.device.type != "cuda":
+            budget = (cache.kv_cache_gb or kv_cache.DEFAULT_CPU_KV_GB) * kv_cache.GIB
+        else:
+            budget = self._profile_cuda_budget()
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+
+    def _profile_cuda_budget(self) -> float:
+        """What is left of gpu_memory_utilization after weights and the peak of a full-size step."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        plan = _profile_plan(tokens, blocks, self.shape.vocab_size)
+        self.execute(plan)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes
+        del self.kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use_elsewhere = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - in_use_elsewhere - peak
+        log.info("kv_profiled", peak_gib=round(peak / kv_cache.GIB, 3), budget_gib=round(budget / kv_cache.GIB, 3))
+        return max(budget, 0.0)
+
+    # ---- one step ----
+
+    def check(self, plan: StepPlan) -> None:
+        try:
+            plan.validate()
+        except ValueError as error:
+            raise PlanError(str(error)) from error
+        if plan.num_seqs == 0:
+            return
+        bt = plan.block_tables
+        if bt.size and (int(bt.min()) < 0 or int(bt.max()) >= self.kv.num_blocks):
+            raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
+        ends = plan.context_lens.astype(np.int64) + plan.query_lens
+        if int(plan.context_lens.min()) < 0 or int(ends.max()) > self.max_model_len:
+            raise PlanError(f"positions outside the model's context of {self.max_model_len}")
+        if int(ends.max()) > bt.shape[1] * self.block_size:
+            raise PlanError("block tables too narrow for the sequences' lengths")
+        ids = plan.input_ids
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
+            raise PlanError(f"token id outside the vocabulary of {self.shape.vocab_size}")
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self.check(plan)
+        n = plan.num_seqs
+        sampled = np.full(n, -1, dtype=np.int32)
+        if n == 0:
+            return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+        q, c, bs = plan.query_lens, plan.context_lens, self.block_size
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        # token t of sequence i sits at position c[i] + (t - starts[i])
+        seq_of_token = np.repeat(np.arange(n), q)
+        positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)
+        slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
+        dev = self.device
+        input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(dev)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv.layers, meta)
+        rows = np.flatnonzero(plan.sample)
+        if rows.size:
+            last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+            s = plan.sampling
+
+            def pick(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a[rows])).to(dev)
+
+            tokens = sample(
+                logits, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position)
+            )
+            sampled[rows] = tokens.cpu().numpy()
+        return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+
+
+def _profile_plan(tokens: int, blocks: int, vocab_size: int) -> StepPlan:
+    """One sequence of `tokens` random tokens, sampled at the end: the largest step we plan."""
+    rng = np.random.default_rng(0)
+    return StepPlan(
+        step_id=0,
+        seq_ids=np.zeros(1, np.int64),
+        query_lens=np.array([tokens], np.int32),
+        context_lens=np.zeros(1, np.int32),
+        input_ids=rng.integers(0, vocab_size, tokens, dtype=np.int32),
+        block_tables=np.arange(blocks, dtype=np.int32)[None, :],
+        sample=np.ones(1, np.uint8),
+        sampling=SamplingBatch(
+            temperature=np.ones(1, np.float32),
+            top_p=np.full(1, 0.9, np.float32),
+            top_k=np.zeros(1, np.int32),
+            seed=np.zeros(1, np.int64),
+            output_position=np.zeros(1, np.int32),
+        ),
+    )

@@ -1,0 +1,94 @@
+"""Token sampling whose randomness depends only on (seed, output position).
+
+The worker holds no generator state: each sampled sequence draws one uniform number
+u = hash(seed, position), and picks the token where u falls in the cumulative distribution
+(inverse-CDF sampling). A seeded request therefore gets the same token whatever batch it is
+in, on any worker, after a recompute or a restart. The hash is integer arithmetic on int64
+tensors that never overflows, so CPU and CUDA agree bit for bit.
+
+Order of the filters, as in transformers: temperature, then top-k, then top-p. Rows that use
+neither top-k nor top-p walk the distribution in vocabulary order; the others in descending
+probability order. The choice depends on the row's own parameters only, never on its
+neighbours in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x < 2^32, in two 16-bit halves so int64 never overflows."""
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer: a bijection that spreads every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One float64 in (0, 1) per row, a pure function of (seed, position). seed: int64 bits."""
+    seed_lo = seed & _M32
+    seed_hi = (seed >> 32) & _M32
+    x = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(position.to(torch.int64) ^ 0x9E3779B9)))
+    bits = (_mix32(x ^ 0x7F4A7C15) & 0xFFFFF) * 4294967296 + _mix32(x ^ 0x2545F491)  # 52 random bits
+    return (bits.to(torch.float64) + 0.5) / float(1 << 52)
+
+
+def sample(
+    logits: torch.Tensor,  # float32 [n, vocab]
+    temperature: torch.Tensor,  # float32 [n], 0 = greedy
+    top_p: torch.Tensor,  # float32 [n], 1 = off
+    top_k: torch.Tensor,  # int32 [n], 0 = off
+    seed: torch.Tensor,  # int64 [n]
+    position: torch.Tensor,  # int32 [n]
+) -> torch.Tensor:
+    """Returns int64 [n] token ids."""
+    tokens = logits.argmax(dim=-1)
+    random = temperature > 0
+    if not bool(random.any()):
+        return tokens
+    rows = random.nonzero().squeeze(1)
+    scaled = logits[rows] / temperature[rows, None]
+    u = uniform(seed[rows], position[rows])
+    truncated = (top_k[rows] > 0) | (top_p[rows] < 1)
+    picked = torch.empty_like(rows)
+    plain = (~truncated).nonzero().squeeze(1)
+    if plain.numel():
+        picked[plain] = _inverse_cdf(torch.softmax(scaled[plain], dim=-1), u[plain])
+    trunc = truncated.nonzero().squeeze(1)
+    if trunc.numel():
+        picked[trunc] = _sample_truncated(scaled[trunc], top_k[rows][trunc], top_p[rows][trunc], u[trunc])
+    tokens[rows] = picked
+    return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index where u (scaled to the row's total mass) falls in each row's cumulative sum."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, target).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample_truncated(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
+    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+    # already reaches top_p. The most likely token is always kept.
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill((before >= top_p[:, None]) & (rank > 0), 0.0)
+    return order.gather(1, _inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)

@@ -1,0 +1,57 @@
+"""`llmserve.v1.Worker`: the handshake and the step stream, over one ModelRunner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+
+from common.pb.llmserve.v1 import worker_pb2 as worker_pb
+from common.pb.llmserve.v1 import worker_pb2_grpc
+from worker_svc import wire
+from worker_svc.runner import ModelRunner, PlanError
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+        self._runner = runner
+        self._model_name = model_name
+        # One thread runs every forward pass: steps are sequential by nature, and the event
+        # loop stays free to answer health checks while a step runs.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._stream_open = False
+
+    async def Describe(  # noqa: N802 (gRPC method name)
+        self, request: worker_pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb.WorkerInfo:
+        return wire.worker_info(self._runner.info(self._model_name))
+
+    async def Execute(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[worker_pb.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb.StepResult]:
+        if self._stream_open:
+            # Two schedulers writing one KV cache would corrupt each other's sequences.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is already driven by a scheduler")
+        self._stream_open = True
+        log.info("step_stream_opened", peer=context.peer())
+        loop = asyncio.get_running_loop()
+        try:
+            async for msg in request_iterator:
+                try:
+                    plan = wire.step_plan(msg)
+                    result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
+                except (ValueError, PlanError) as error:
+                    log.error("plan_refused", step_id=msg.step_id, reason=str(error))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
+                yield wire.step_result(result)
+        finally:
+            self._stream_open = False
+            log.info("step_stream_closed", peer=context.peer())
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,58 @@
+"""The worker service's protobuf edge: the only module that touches generated message types."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.arrays import pack, unpack
+from common.pb.llmserve.v1 import worker_pb2 as worker_pb
+from common.plan import SamplingBatch, StepPlan, StepResult
+from common.worker_info import WorkerInfo
+
+
+def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
+    """Decode a plan; malformed byte lengths raise ValueError naming the field."""
+    seq_ids = unpack(msg.seq_ids, np.int64, "seq_ids")
+    n = seq_ids.shape[0]
+    width = msg.block_table_width
+    tables = unpack(msg.block_tables, np.int32, "block_tables", n * width)
+    s = msg.sampling
+    return StepPlan(
+        step_id=msg.step_id,
+        seq_ids=seq_ids,
+        query_lens=unpack(msg.query_lens, np.int32, "query_lens", n),
+        context_lens=unpack(msg.context_lens, np.int32, "context_lens", n),
+        input_ids=unpack(msg.input_ids, np.int32, "input_ids"),
+        block_tables=tables.reshape(n, width),
+        sample=unpack(msg.sample, np.uint8, "sample", n),
+        sampling=SamplingBatch(
+            temperature=unpack(s.temperature, np.float32, "sampling.temperature", n),
+            top_p=unpack(s.top_p, np.float32, "sampling.top_p", n),
+            top_k=unpack(s.top_k, np.int32, "sampling.top_k", n),
+            seed=unpack(s.seed, np.int64, "sampling.seed", n),
+            output_position=unpack(s.output_position, np.int32, "sampling.output_position", n),
+        ),
+    )
+
+
+def step_result(result: StepResult) -> worker_pb.StepResult:
+    return worker_pb.StepResult(
+        step_id=result.step_id,
+        sampled_token_ids=pack(result.sampled_token_ids, np.int32),
+        execute_seconds=result.execute_seconds,
+    )
+
+
+def worker_info(info: WorkerInfo) -> worker_pb.WorkerInfo:
+    return worker_pb.WorkerInfo(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        dtype=info.dtype,
+        device=info.device,
+        rank=info.rank,
+        world_size=info.world_size,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+    )
