@@ -112,15 +112,9 @@ class ModelRunner:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
             raise PlanError(f"token id outside the vocabulary of {self.shape.vocab_size}")
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
-        self.check(plan)
-        n = plan.num_seqs
-        sampled = np.full(n, -1, dtype=np.int32)
-        if n == 0:
-            return StepResult(plan.step_id, sampled, time.perf_counter() - start)
-        q, c, bs = plan.query_lens, plan.context_lens, self.block_size
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, np.ndarray]:
+        """Hidden states of every fed token [tokens, hidden], and query start offsets [seqs + 1]."""
+        n, q, c, bs = plan.num_seqs, plan.query_lens, plan.context_lens, self.block_size
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q, out=starts[1:])
         # token t of sequence i sits at position c[i] + (t - starts[i])
@@ -128,13 +122,30 @@ class ModelRunner:
         positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)
         slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
-        dev = self.device
-        input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(dev)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv.layers, meta)
+        input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(self.device)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), self.kv.layers, meta)
+        return hidden, starts
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """float32 logits of every fed token (tests compare them with the reference)."""
+        self.check(plan)
+        hidden, _ = self._forward(plan)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self.check(plan)
+        sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
         rows = np.flatnonzero(plan.sample)
+        if plan.num_seqs == 0:
+            return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+        hidden, starts = self._forward(plan)
         if rows.size:
+            dev = self.device
             last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
+            logits = self.model.compute_logits(hidden.index_select(0, last))  # [sampled, vocab]
             s = plan.sampling
 
             def pick(a: np.ndarray) -> torch.Tensor:

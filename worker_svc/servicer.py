@@ -16,6 +16,8 @@ from worker_svc.runner import ModelRunner, PlanError
 
 log = structlog.get_logger(__name__)
 
+STREAM_TAKEOVER_S = 10.0
+
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, model_name: str) -> None:
@@ -24,7 +26,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # One thread runs every forward pass: steps are sequential by nature, and the event
         # loop stays free to answer health checks while a step runs.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self._stream_open = False
+        self._stream_lock = asyncio.Lock()
 
     async def Describe(  # noqa: N802 (gRPC method name)
         self, request: worker_pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -34,10 +36,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Execute(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[worker_pb.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb.StepResult]:
-        if self._stream_open:
-            # Two schedulers writing one KV cache would corrupt each other's sequences.
+        # Two schedulers writing one KV cache would corrupt each other's sequences. A scheduler
+        # that reconnects may find its old stream still closing, so wait for it a little.
+        try:
+            await asyncio.wait_for(self._stream_lock.acquire(), STREAM_TAKEOVER_S)
+        except TimeoutError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is already driven by a scheduler")
-        self._stream_open = True
         log.info("step_stream_opened", peer=context.peer())
         loop = asyncio.get_running_loop()
         try:
@@ -50,7 +54,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
                 yield wire.step_result(result)
         finally:
-            self._stream_open = False
+            self._stream_lock.release()
             log.info("step_stream_closed", peer=context.peer())
 
     def shutdown(self) -> None:

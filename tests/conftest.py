@@ -1,0 +1,212 @@
+"""Shared fixtures: model directories, real service processes, and a gRPC client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common import log as logsetup
+from common.config import SchedulerConfig, ServerConfig
+from common.pb.llmserve.v1 import generation_pb2 as pb
+from common.pb.llmserve.v1 import generation_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+logsetup.configure("warning", json=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from common.model_prep import prepare_default_model
+
+    return prepare_default_model()
+
+
+def make_tiny_model(out: Path, tokenizer_from: Path, **overrides: object) -> Path:
+    """A random-weight Llama with SmolLM2's tokenizer: fast, and real files end to end.
+
+    initializer_range is large so the logits are peaked: greedy choices then do not hinge on
+    rounding, and different computation orders (recompute vs decode) agree.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params: dict[str, object] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    params.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**params)).float()
+    model.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen[bytes]
+    address: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_worker(model_dir: Path, *extra: str, dtype: str = "float32") -> WorkerProcess:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
+           "--listen", address, "--dtype", dtype, "--device", "cpu", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    return WorkerProcess(proc, address)
+
+
+@pytest.fixture(scope="module")
+def tiny_worker(tiny_model_dir: Path) -> Iterator[WorkerProcess]:
+    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64")
+    yield worker
+    worker.stop()
+
+
+@dataclass
+class Scheduler:
+    """An in-process scheduler service on a real port, for tests that inspect its state."""
+
+    server: object
+    channel: grpc.aio.Channel
+    stub: generation_pb2_grpc.GenerationStub
+    port: int
+
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]
+        return self.server.engine  # type: ignore[attr-defined]
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.engine.ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError("scheduler never became ready")
+            await asyncio.sleep(0.05)
+
+    async def wait_idle(self, timeout: float = 5.0) -> None:
+        """Every request gone and every KV block back in the free pool (integrity checked)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sched = self.engine.scheduler
+            if sched is None or (not sched.has_work and not self.engine._inbox
+                                 and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"not idle after {timeout}s: running={sched.num_running} waiting={sched.num_waiting} "
+                    f"free={sched.block_manager.num_free_blocks}/{sched.block_manager.num_blocks}"
+                )
+            await asyncio.sleep(0.02)
+        if sched is not None:
+            sched.check_integrity()
+
+
+async def start_scheduler(model_dir: Path, worker_address: str, **config: int) -> Scheduler:
+    from scheduler_svc.server import SchedulerServer
+
+    server = SchedulerServer(
+        str(model_dir),
+        worker_address,
+        ServerConfig(host="127.0.0.1", port=0),
+        SchedulerConfig(**config),
+        step_timeout=60.0,
+    )
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return Scheduler(server, channel, generation_pb2_grpc.GenerationStub(channel), port)
+
+
+async def stop_scheduler(s: Scheduler) -> None:
+    await s.channel.close()
+    await s.server.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def tiny_scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> AsyncIterator[Scheduler]:
+    """Scheduler over the module's tiny worker; afterwards every block must be free."""
+    s = await start_scheduler(tiny_model_dir, tiny_worker.address)
+    await s.wait_ready()
+    try:
+        yield s
+        await s.wait_idle()
+    finally:
+        await stop_scheduler(s)
+
+
+def request(prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8, **stopping_and_sampling: object) -> pb.GenerateRequest:
+    sampling_keys = {"temperature", "top_p", "top_k", "seed"}
+    sampling = {k: v for k, v in stopping_and_sampling.items() if k in sampling_keys}
+    stopping = {k: v for k, v in stopping_and_sampling.items() if k not in sampling_keys}
+    return pb.GenerateRequest(
+        prompt=prompt,
+        prompt_token_ids=ids or [],
+        sampling=pb.SamplingParams(**sampling),  # type: ignore[arg-type]
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    messages: list[pb.GenerateResponse]
+
+    @property
+    def final(self) -> pb.GenerateResponse:
+        return self.messages[-1]
+
+
+async def collect(stub: generation_pb2_grpc.GenerationStub, req: pb.GenerateRequest) -> Generation:
+    messages = [m async for m in stub.Generate(req)]
+    return Generation([t for m in messages for t in m.token_ids], "".join(m.text for m in messages), messages)
+
+
+def skip_without_cuda() -> pytest.MarkDecorator:
+    import torch
+
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

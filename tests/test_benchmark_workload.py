@@ -1,0 +1,101 @@
+"""benchmarks/throughput.py: the workload generator and flag checks (no model, no server)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+
+
+def _load() -> ModuleType:
+    # benchmarks/ is not a package: load the script by path, as `python benchmarks/...` would.
+    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+VOCAB = 49152
+
+
+def test_same_seed_same_workload() -> None:
+    assert bench.make_workload(16, 7, VOCAB) == bench.make_workload(16, 7, VOCAB)
+
+
+def test_other_seed_other_workload() -> None:
+    assert bench.make_workload(16, 7, VOCAB) != bench.make_workload(16, 8, VOCAB)
+
+
+def test_lengths_and_ids_within_bounds() -> None:
+    workload = bench.make_workload(256, 3, VOCAB)
+    assert len(workload) == 256
+    for prompt, max_tokens in workload:
+        assert bench.PROMPT_LEN[0] <= len(prompt) <= bench.PROMPT_LEN[1]
+        assert bench.OUTPUT_LEN[0] <= max_tokens <= bench.OUTPUT_LEN[1]
+        assert all(bench.MIN_TOKEN_ID <= t < VOCAB for t in prompt)
+        assert all(type(t) is int for t in prompt) and type(max_tokens) is int
+
+
+def test_bounds_are_reached() -> None:
+    # Inclusive bounds: a large draw hits both ends of the output range.
+    outputs = [m for _, m in bench.make_workload(2000, 1, VOCAB)]
+    assert min(outputs) == bench.OUTPUT_LEN[0] and max(outputs) == bench.OUTPUT_LEN[1]
+
+
+def test_tiny_vocab_stays_in_range() -> None:
+    workload = bench.make_workload(8, 0, bench.MIN_TOKEN_ID + 2)
+    assert {t for p, _ in workload for t in p} <= {bench.MIN_TOKEN_ID, bench.MIN_TOKEN_ID + 1}
+
+
+def test_useful_output_tokens() -> None:
+    workload = bench.make_workload(8, 0, VOCAB)
+    assert bench.useful_output_tokens(workload) == sum(m for _, m in workload)
+
+
+@pytest.mark.parametrize(("num", "vocab"), [(0, VOCAB), (-1, VOCAB), (4, bench.MIN_TOKEN_ID)])
+def test_make_workload_rejects_bad_arguments(num: int, vocab: int) -> None:
+    with pytest.raises(ValueError):
+        bench.make_workload(num, 0, vocab)
+
+
+def test_defaults() -> None:
+    args = bench.parse_args([])
+    assert (args.num_requests, args.seed, args.dtype, args.hf_batch_size) == (64, 0, "auto", 8)
+    assert not args.skip_hf and args.vllm_python is None and args.out is None
+    assert args.max_num_seqs is None and args.max_num_batched_tokens is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-requests", "0"],
+        ["--num-requests", "x"],
+        ["--hf-batch-size", "0"],
+        ["--max-num-seqs", "-4"],
+        ["--max-num-batched-tokens", "0"],
+        ["--dtype", "float16"],
+        ["--vllm-python", "/nonexistent/python"],
+    ],
+)
+def test_parse_args_rejects(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_parse_args_accepts_overrides(tmp_path: Path) -> None:
+    args = bench.parse_args(
+        ["--num-requests", "8", "--seed", "5", "--dtype", "float32", "--skip-hf", "--max-num-seqs", "16",
+         "--max-num-batched-tokens", "512", "--out", str(tmp_path / "r.json"), "--vllm-python", sys.executable]
+    )
+    assert args.num_requests == 8 and args.seed == 5 and args.dtype == "float32" and args.skip_hf
+    assert args.max_num_seqs == 16 and args.max_num_batched_tokens == 512
+    assert args.out == tmp_path / "r.json" and args.vllm_python == sys.executable

@@ -1,0 +1,94 @@
+"""The worker's step execution on a tiny random model: greedy decoding and plan checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.config import CacheConfig, WorkerConfig
+from tests.plans import Feed, make_plan
+from worker_svc.runner import ModelRunner, PlanError
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, ModelRunner]:
+    path = tmp_path_factory.mktemp("runner-model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    ref = LlamaForCausalLM(cfg).float().eval()
+    ref.save_pretrained(str(path))
+    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu",
+                                      cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+    return ref, runner
+
+
+def test_greedy_decoding_through_steps_equals_transformers_generate(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    ref, runner = model
+    prompts = [[5, 17, 42, 99, 3], list(range(10, 30))]
+    tables = [[3, 9, 1, 12], [4, 2, 15, 6, 11]]
+    new_tokens = 12
+    outputs: list[list[int]] = [[], []]
+    tokens = [list(p) for p in prompts]
+    context = [0, 0]
+    for step in range(new_tokens):
+        feeds = [Feed(i, tokens[i][context[i]:], context[i], tables[i], output_position=step) for i in range(2)]
+        result = runner.execute(make_plan(step, feeds))
+        for i in range(2):
+            context[i] = len(tokens[i])
+            tokens[i].append(int(result.sampled_token_ids[i]))
+            outputs[i].append(int(result.sampled_token_ids[i]))
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        assert out == want[0, len(prompt):].tolist()
+
+
+def test_unsampled_rows_return_minus_one(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    _, runner = model
+    plan = make_plan(0, [Feed(0, [1, 2, 3], 0, [5], sample=False), Feed(1, [4, 5], 0, [6])])
+    result = runner.execute(plan)
+    assert result.sampled_token_ids[0] == -1 and result.sampled_token_ids[1] >= 0
+
+
+def test_seeded_sampling_depends_on_seed_and_position_only(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    _, runner = model
+    alone = runner.execute(make_plan(0, [Feed(0, [7, 8, 9], 0, [1], temperature=1.0, seed=99, output_position=4)]))
+    crowd = runner.execute(make_plan(1, [
+        Feed(1, [3, 3], 0, [2], temperature=0.5, seed=1),
+        Feed(0, [7, 8, 9], 0, [1], temperature=1.0, seed=99, output_position=4),
+        Feed(2, [4], 0, [3]),
+    ]))
+    assert alone.sampled_token_ids[0] == crowd.sampled_token_ids[1]
+
+
+@pytest.mark.parametrize(
+    ("feeds", "message"),
+    [
+        ([Feed(0, [1, 2], 0, [16])], "block id outside"),
+        ([Feed(0, [1, 2], 0, [-1])], "block id outside"),
+        ([Feed(0, [1, 200], 0, [1])], "token id outside"),
+        ([Feed(0, [1], 64, [1, 2, 3, 4, 5, 6, 7, 8, 9])], "outside the model's context"),
+        ([Feed(0, list(range(9)), 0, [1])], "too narrow"),
+    ],
+)
+def test_malformed_plans_are_refused_before_touching_the_cache(
+    model: tuple[LlamaForCausalLM, ModelRunner], feeds: list[Feed], message: str
+) -> None:
+    _, runner = model
+    before = [k.clone() for k, _ in runner.kv.layers]
+    with pytest.raises(PlanError, match=message):
+        runner.execute(make_plan(0, feeds))
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, runner.kv.layers))
+
+
+def test_inconsistent_plan_arrays_are_refused(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    _, runner = model
+    plan = make_plan(0, [Feed(0, [1, 2], 0, [1])])
+    broken = type(plan)(**{**plan.__dict__, "query_lens": np.array([3], np.int32)})
+    with pytest.raises(PlanError, match="sum of query_lens"):
+        runner.execute(broken)
