@@ -221,18 +221,24 @@ class _Supervised:
         self.cmd = cmd
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self._restart_at: float | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd)
         log.info("worker_started", pid=self.proc.pid)
 
     def restart_if_dead(self) -> None:
+        """Called every second by the event loop; never blocks it (backoff is a deadline)."""
         if self.proc is None or self.proc.poll() is None:
             return
-        self.restarts += 1
-        log.error("worker_exited", pid=self.proc.pid, returncode=self.proc.returncode, restarts=self.restarts)
-        time.sleep(min(2.0**self.restarts, 30.0))
-        self.start()
+        now = time.monotonic()
+        if self._restart_at is None:
+            self.restarts += 1
+            self._restart_at = now + min(2.0**self.restarts, 30.0)
+            log.error("worker_exited", pid=self.proc.pid, returncode=self.proc.returncode, restarts=self.restarts)
+        elif now >= self._restart_at:
+            self._restart_at = None
+            self.start()
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -83,6 +83,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._stats = _Stats()
+        self._preemptions_reported = 0
 
     @property
     def ready(self) -> bool:
@@ -120,6 +121,7 @@ class Engine:
                 continue
             self.worker_info = info
             self.limits = Limits(vocab_size=self.spec.vocab_size, max_model_len=min(self.spec.max_model_len, info.max_model_len))
+            self._preemptions_reported = 0
             self.scheduler = Scheduler(
                 self.config,
                 BlockManager(info.num_gpu_blocks, info.block_size),
@@ -176,6 +178,8 @@ class Engine:
         """Validate, queue, and stream the outputs of one request."""
         stream = self._admit(req)
         request_id = stream.seq.request_id
+        # Every log line of this handler's task carries the request id from here on.
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         done = False
         try:
             while True:
@@ -254,10 +258,11 @@ class Engine:
             if plan is None:
                 await self._wake.wait()
                 continue
-            result, timing = await self.worker.execute(plan)
-            events = scheduler.update(plan, result)
-            self._emit(scheduler, events)
-            self._record(plan.step_id, plan.num_seqs, plan.num_tokens, len(events), timing)
+            with structlog.contextvars.bound_contextvars(step_id=plan.step_id):
+                result, timing = await self.worker.execute(plan)
+                events = scheduler.update(plan, result)
+                self._emit(scheduler, events)
+                self._record(plan.step_id, plan.num_seqs, plan.num_tokens, len(events), timing)
 
     def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
         for event in events:
@@ -306,9 +311,9 @@ class Engine:
         m.plan_bytes.observe(timing.plan_bytes)
         m.roundtrip.observe(timing.roundtrip_seconds)
         m.generation_tokens.inc(num_sampled)
-        if self.scheduler is not None:
-            m.preemptions.inc(self.scheduler.num_preemptions - self._stats.preemptions_seen)
-            self._stats.preemptions_seen = self.scheduler.num_preemptions
+        if self.scheduler is not None and self.scheduler.num_preemptions > self._preemptions_reported:
+            m.preemptions.inc(self.scheduler.num_preemptions - self._preemptions_reported)
+            self._preemptions_reported = self.scheduler.num_preemptions
         log.debug(
             "step",
             step_id=step_id,
@@ -334,7 +339,6 @@ class _Stats:
     sampled: int = 0
     plan_bytes: int = 0
     roundtrip: float = 0.0
-    preemptions_seen: int = 0
 
     def add(self, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
         if self.steps == 0:  # rates cover busy time, not the idle wait before the first step

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HfTokenizer
@@ -14,12 +13,6 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json (a fast tokenizer is required)")
         self.backend = HfTokenizer.from_file(str(path))
-        config_path = Path(model_dir) / "tokenizer_config.json"
-        self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with special tokens added the way transformers' tokenizer adds them."""

@@ -32,6 +32,8 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama-gqa-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "llama-mha-tied": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama-mqa-headdim": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16)),
+    # More KV heads than the block-diagonal decode path takes: the per-head path.
+    "llama-mha-16-kv-heads": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=16, num_key_value_heads=16)),
     "llama-attention-bias": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
     "llama2-linear-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "llama3-rope": (

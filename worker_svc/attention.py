@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 
 
+# Up to this many KV heads the decode path spreads queries block-diagonally (see _decode).
+_BLOCK_DIAGONAL_MAX_KV_HEADS = 8
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
@@ -26,7 +30,7 @@ class AttentionMetadata:
     # Torch path only: sequences that feed one token (decode), attended as one padded batch.
     decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
     decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
-    decode_mask: torch.Tensor  # bool [decodes, 1, 1, width_d * block_size]
+    decode_padding: torch.Tensor  # bool [decodes, 1, width_d * block_size], True past seq_len
     # Torch path only: (first token, query length, context length, row) of every other sequence.
     prefills: tuple[tuple[int, int, int, int], ...]
     store_all: bool  # no slot is -1
@@ -58,7 +62,7 @@ class TorchPagedAttention:
         is_decode = query_lens == 1
         rows = np.flatnonzero(is_decode)
         width_d = int(-(-seq_lens[rows].max() // block_size)) if rows.size else 0
-        mask = np.arange(width_d * block_size)[None, :] < seq_lens[rows][:, None]
+        padding = np.arange(width_d * block_size)[None, :] >= seq_lens[rows][:, None]
         prefills = tuple(
             (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(~is_decode)
         )
@@ -73,7 +77,7 @@ class TorchPagedAttention:
             query_start_loc=t(starts, torch.int32),
             decode_token_idx=t(starts[rows], torch.int64),
             decode_block_tables=t(block_tables[rows, :width_d], torch.int64),
-            decode_mask=t(mask[:, None, None, :], torch.bool),
+            decode_padding=t(padding[:, None, :], torch.bool),
             prefills=prefills,
             store_all=bool((slot_mapping >= 0).all()),
         )
@@ -91,14 +95,7 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         kvh, d = self.num_kv_heads, self.head_dim
         if meta.decode_token_idx.numel():
-            b = meta.decode_token_idx.shape[0]
-            qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [b, heads, 1, d]
-            kd = k_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)  # [b, kv_heads, L, d]
-            vd = v_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )  # [b, heads, 1, d]
-            out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+            out.index_copy_(0, meta.decode_token_idx, self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta))
         for start, q_len, ctx, row in meta.prefills:
             qs = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
             if ctx == 0:
@@ -115,6 +112,52 @@ class TorchPagedAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence, as two batched matmuls over the gathered context.
+
+        Whole blocks are gathered with index_select (row copies), giving K and V as
+        [b, L, kv_heads * d] matrices. A per-head matmul would need each head's columns
+        contiguous, i.e. a second copy of the whole context; instead the queries are spread
+        block-diagonally so one matmul serves every head:
+
+            Q' [b, heads, kv_heads * d]: row of head h holds q_h in the columns of kv head h // group
+            S  = Q' @ K^T   [b, heads, L]   (zeros elsewhere contribute nothing)
+            O' = P @ V      [b, heads, kv_heads * d], and head h keeps its kv head's columns
+
+        That spends kv_heads times the (small) attention FLOPs to save a memory pass, which
+        pays while kv_heads is small; with many KV heads the heads are done one by one.
+        """
+        b = q.shape[0]
+        kvh, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        flat = meta.decode_block_tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, -1, kvh * d)  # [b, L, kv_heads * d]
+        values = v_cache.index_select(0, flat).view(b, -1, kvh * d)
+        if kvh > _BLOCK_DIAGONAL_MAX_KV_HEADS:
+            return self._decode_per_head(q, keys, values, meta)
+        eye = torch.eye(kvh, dtype=q.dtype, device=q.device).view(1, kvh, 1, kvh, 1)
+        spread = (q.view(b, kvh, group, 1, d) * eye).view(b, self.num_heads, kvh * d)
+        scores = torch.bmm(spread, keys.transpose(1, 2)).float() * self.scale  # [b, heads, L]
+        scores.masked_fill_(meta.decode_padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        wide = torch.bmm(probs, values).view(b, kvh, group, kvh, d)
+        return torch.diagonal(wide, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, self.num_heads, d)
+
+    def _decode_per_head(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        b = q.shape[0]
+        kvh, d = self.num_kv_heads, self.head_dim
+        qg = q.view(b, kvh, -1, d)
+        out = torch.empty_like(qg)
+        for h in range(kvh):
+            k_h = keys[:, :, h * d : (h + 1) * d]  # [b, L, d]
+            scores = torch.bmm(qg[:, h], k_h.transpose(1, 2)).float() * self.scale  # [b, group, L]
+            scores.masked_fill_(meta.decode_padding, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            out[:, h] = torch.bmm(probs, values[:, :, h * d : (h + 1) * d])
+        return out.view(b, self.num_heads, d)
 
     @staticmethod
     def _store(

@@ -93,7 +93,7 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.rotate(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads, head_dim]
         return self.o_proj(out.reshape(t, -1))
 
@@ -128,14 +128,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.self_attn(rope, h, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -175,9 +175,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
+        rope = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 

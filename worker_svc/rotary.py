@@ -50,10 +50,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * factor).to(dtype), persistent=False)
         self.register_buffer("sin", (freqs.sin() * factor).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]."""
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, 1, head_dim / 2] for this step; gathered once, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(
+        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
