@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -120,6 +120,19 @@ def _run_until_signal(body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]
     asyncio.run(main())
 
 
+class _Service(Protocol):
+    async def start(self) -> int: ...
+    async def stop(self) -> None: ...
+
+
+async def _serve(server: _Service, stop: asyncio.Event) -> None:
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
 def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
 
@@ -148,7 +161,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
             _scheduler_config(a),
             step_timeout=a.step_timeout,
         )
-        await server.serve_until(stop)
+        await _serve(server, stop)
 
     _run_until_signal(body)
 
@@ -159,7 +172,7 @@ def cmd_worker(a: argparse.Namespace) -> None:
     if a.parent_pid is not None:
         _exit_with_parent(a.parent_pid)
     server = WorkerServer(_worker_config(a, _model_dir(a.model)), a.listen)
-    _run_until_signal(server.serve_until)
+    _run_until_signal(lambda stop: _serve(server, stop))
 
 
 def _exit_with_parent(parent_pid: int) -> None:

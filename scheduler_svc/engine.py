@@ -141,12 +141,13 @@ class Engine:
             try:
                 await self._loop(self.scheduler)
             except WorkerLost as error:
-                log.error("worker_lost", address=self.worker.address, reason=str(error))
+                reason = str(error)
+                log.error("worker_lost", address=self.worker.address, reason=reason)
                 await self._set_ready(False)
                 self._fail_all(
-                    lambda s: Aborted(f"worker lost after {s.seq.num_output_tokens} tokens: {error}")
+                    lambda s: Aborted(f"worker lost after {s.seq.num_output_tokens} tokens: {reason}")
                     if s.seq.num_output_tokens
-                    else Unavailable(f"worker lost: {error}")
+                    else Unavailable(f"worker lost: {reason}")
                 )
 
     def _incompatibility(self, info: WorkerInfo) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import structlog
@@ -78,10 +77,3 @@ class SchedulerServer:
         await self.engine.stop()
         await self.server.stop(self.server_config.grace_seconds)
         log.info("scheduler_stopped")
-
-    async def serve_until(self, stop: asyncio.Event) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()

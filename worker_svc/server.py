@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -56,10 +55,3 @@ class WorkerServer:
         await self.server.stop(self.grace_seconds)
         self.servicer.shutdown()
         log.info("worker_stopped")
-
-    async def serve_until(self, stop: asyncio.Event) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()
