@@ -451,9 +451,10 @@ def _print_table(engines: dict[str, dict[str, Any] | None], ratios: dict[str, fl
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logsetup.configure()
+    from common.cli import cache_root
     from common.model_prep import prepare_default_model
 
-    model_dir = Path(args.model) if args.model else prepare_default_model()
+    model_dir = Path(args.model) if args.model else prepare_default_model(cache_root())
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
     dtype = resolve_dtype(args.dtype)

@@ -12,20 +12,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
 from common import log as logsetup
-from common.config import DTYPES, CacheConfig, SchedulerConfig, ServerConfig, WorkerConfig
+from common.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    CacheConfig,
+    SchedulerConfig,
+    ServerConfig,
+    WorkerConfig,
+)
+from common.supervisor import Supervised, exit_with_parent
 
 log = structlog.get_logger("llmserve")
 
@@ -55,6 +61,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="memory the KV pool may take (CPU default 2)")
+    p.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="auto = triton on CUDA, torch on CPU",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,12 +109,17 @@ def _parser() -> argparse.ArgumentParser:
 
 # ---- commands ----
 
+def cache_root() -> Path:
+    """Where prepared models live: $LLMSERVE_CACHE, else ~/.cache/llmserve."""
+    return Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
+
+
 def _model_dir(arg: str | None) -> str:
     if arg:
         return arg
     from common.model_prep import prepare_default_model
 
-    return str(prepare_default_model())
+    return str(prepare_default_model(cache_root()))
 
 
 def _run_until_signal(body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
@@ -144,6 +159,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         device=a.device,
         cache=CacheConfig(block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb),
         max_num_batched_tokens=a.max_num_batched_tokens,
+        attention_backend=a.attention_backend,
     )
 
 
@@ -170,17 +186,9 @@ def cmd_worker(a: argparse.Namespace) -> None:
     from worker_svc.server import WorkerServer
 
     if a.parent_pid is not None:
-        _exit_with_parent(a.parent_pid)
+        exit_with_parent(a.parent_pid)
     server = WorkerServer(_worker_config(a, _model_dir(a.model)), a.listen)
     _run_until_signal(lambda stop: _serve(server, stop))
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Get SIGTERM when the parent dies, so no worker outlives `llmserve up`, even on SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        sys.exit(0)
 
 
 def cmd_up(a: argparse.Namespace) -> None:
@@ -193,6 +201,7 @@ def cmd_up(a: argparse.Namespace) -> None:
     worker_cmd = [
         sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model, "--listen", address,
         "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+        "--attention-backend", a.attention_backend,
         "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--parent-pid", str(os.getpid()),
     ]
     if a.num_gpu_blocks is not None:
@@ -202,7 +211,7 @@ def cmd_up(a: argparse.Namespace) -> None:
 
 
     async def body(stop: asyncio.Event) -> None:
-        worker = _Supervised(worker_cmd)
+        worker = Supervised(worker_cmd)
         worker.start()
         server = SchedulerServer(
             model,
@@ -225,44 +234,6 @@ def cmd_up(a: argparse.Namespace) -> None:
                 os.rmdir(sockdir)
 
     _run_until_signal(body)
-
-
-class _Supervised:
-    """The local worker process of `llmserve up`, restarted if it dies (the engine reconnects)."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.cmd = cmd
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self._restart_at: float | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd)
-        log.info("worker_started", pid=self.proc.pid)
-
-    def restart_if_dead(self) -> None:
-        """Called every second by the event loop; never blocks it (backoff is a deadline)."""
-        if self.proc is None or self.proc.poll() is None:
-            return
-        now = time.monotonic()
-        if self._restart_at is None:
-            self.restarts += 1
-            self._restart_at = now + min(2.0**self.restarts, 30.0)
-            log.error("worker_exited", pid=self.proc.pid, returncode=self.proc.returncode, restarts=self.restarts)
-        elif now >= self._restart_at:
-            self._restart_at = None
-            self.start()
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        log.info("worker_stopped", pid=self.proc.pid, returncode=self.proc.returncode)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
@@ -298,7 +269,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
 def cmd_prepare_model(a: argparse.Namespace) -> None:
     from common.model_prep import prepare_default_model
 
-    print(prepare_default_model())
+    print(prepare_default_model(cache_root()))
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
@@ -312,7 +283,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logsetup.configure(args.log_level)
+    forced = os.environ.get("LLMSERVE_LOG_JSON")
+    logsetup.configure(args.log_level, json=forced == "1" if forced in ("0", "1") else None)
     try:
         COMMANDS[args.command](args)
     except ValueError as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -63,9 +64,15 @@ class WorkerConfig:
     cache: CacheConfig = CacheConfig()
     # Largest step the worker profiles memory for; set to the scheduler's token budget.
     max_num_batched_tokens: int = 2048
+    # "auto": triton on CUDA, torch on CPU.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
+        )
         _require(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
 
 
 def configure(level: str = "info", json: bool | None = None) -> None:
-    """Configure structlog once per process; `LLMSERVE_LOG_JSON=1|0` forces the format."""
+    """Configure structlog once per process; `json` None means: JSON unless stderr is a terminal."""
     if json is None:
-        forced = os.environ.get("LLMSERVE_LOG_JSON")
-        json = forced == "1" if forced in ("0", "1") else not sys.stderr.isatty()
+        json = not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,21 +27,17 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 _DONE = ".llmserve-complete"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
+def default_model_dir(cache: Path) -> Path:
+    return cache / "models" / MODEL_NAME
 
 
 def is_prepared(path: Path) -> bool:
     return (path / _DONE).is_file()
 
 
-def prepare_default_model() -> Path:
-    """Return the prepared model directory, preparing it first if needed (safe across processes)."""
-    target = default_model_dir()
+def prepare_default_model(cache: Path) -> Path:
+    """The prepared model directory under `cache`, prepared first if needed (safe across processes)."""
+    target = default_model_dir(cache)
     if is_prepared(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

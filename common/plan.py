@@ -55,7 +55,7 @@ class StepPlan:
     query_lens: I32  # [num_seqs] tokens fed this step
     context_lens: I32  # [num_seqs] tokens already in the KV cache
     input_ids: I32  # [sum(query_lens)]
-    block_tables: I32  # [num_seqs, width], padded with 0 past each sequence's blocks
+    block_tables: I32  # [num_seqs, width], padded with -1 past each sequence's blocks
     sample: U8  # [num_seqs] 1 where this step's last token yields a new sampled token
     sampling: SamplingBatch = field(default_factory=SamplingBatch.empty)
 

@@ -1,6 +1,6 @@
 """Generate the Python gRPC stubs in `common/pb/` from `protos/`.
 
-The stubs are committed, so an install needs no grpcio-tools; `tests/test_protos.py`
+The stubs are committed, so an install needs no grpcio-tools; `tests/test_layout.py`
 regenerates them into a temporary folder and fails when the committed ones are stale.
 Run: `python -m common.protogen` (or `make protos`).
 

@@ -28,6 +28,7 @@ from common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailab
 from common.model_spec import ModelSpec
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.engine_stats import EngineStats
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import (
     GenerationRequest,
@@ -46,7 +47,8 @@ from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
 
 log = structlog.get_logger(__name__)
 
-STATS_INTERVAL_S = 10.0
+# Inbox items: a new sequence to add, or the stream of a request to abort.
+_Inbox = list["Sequence | _Stream"]
 
 
 @dataclass(eq=False)
@@ -77,13 +79,14 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.worker_info: WorkerInfo | None = None
         self.limits = Limits.of(spec)
-        self._inbox: list[Sequence | str] = []
+        self._inbox: _Inbox = []
         self._wake = asyncio.Event()
         self._streams: dict[str, _Stream] = {}
         self._seq_ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
-        self._stats = _Stats()
+        self._stats = EngineStats()
         self._preemptions_reported = 0
+        self._draining = False
 
     @property
     def ready(self) -> bool:
@@ -93,6 +96,13 @@ class Engine:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._main(), name="engine")
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests and give in-flight ones up to `timeout` seconds to finish."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -141,14 +151,23 @@ class Engine:
             try:
                 await self._loop(self.scheduler)
             except WorkerLost as error:
-                reason = str(error)
-                log.error("worker_lost", address=self.worker.address, reason=reason)
-                await self._set_ready(False)
-                self._fail_all(
-                    lambda s: Aborted(f"worker lost after {s.seq.num_output_tokens} tokens: {reason}")
-                    if s.seq.num_output_tokens
-                    else Unavailable(f"worker lost: {reason}")
-                )
+                log.error("worker_lost", address=self.worker.address, reason=str(error))
+                await self._fail_in_flight("the worker was lost")
+            except Exception:  # noqa: BLE001
+                # A bug must not leave requests waiting forever on a dead loop: fail them, then
+                # start over with a fresh scheduler (the worker's cache holds nothing we need).
+                log.exception("engine_failed")
+                await self._fail_in_flight("internal engine failure (see server logs)")
+            await self.worker.close()
+
+    async def _fail_in_flight(self, what: str) -> None:
+        """End every request: ABORTED for those that streamed tokens, UNAVAILABLE for the rest."""
+        await self._set_ready(False)
+        self._fail_all(
+            lambda s: Aborted(f"{what} after {s.seq.num_output_tokens} tokens were streamed")
+            if s.seq.num_output_tokens
+            else Unavailable(f"{what}; retry the request")
+        )
 
     def _incompatibility(self, info: WorkerInfo) -> str | None:
         if info.model_name != self.spec.name:
@@ -195,10 +214,12 @@ class Engine:
                     return
         finally:
             if not done:
-                self.abort(request_id)
+                self._abort(stream)
 
     def _admit(self, req: GenerationRequest) -> _Stream:
         scheduler = self.scheduler
+        if self._draining:
+            raise Unavailable("the server is shutting down")
         if scheduler is None:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         check_fields(req, self.limits)
@@ -220,7 +241,7 @@ class Engine:
             seq_id=seq_id,
             request_id=request_id,
             prompt_token_ids=tokens,
-            sampling=sampling_params(req, seed),
+            sampling=sampling_params(req, seed, self.limits),
             stopping=stopping_params(req),
             arrival=seq_id,
         )
@@ -232,9 +253,13 @@ class Engine:
         log.info("request_admitted", request_id=request_id, prompt_tokens=len(tokens), max_tokens=req.max_tokens)
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (client cancel or deadline); its blocks are freed at the next step."""
-        self._inbox.append(request_id)
+    def _abort(self, stream: _Stream) -> None:
+        """Abort a request (client cancel or deadline); its blocks are freed at the next step.
+
+        The stream object, not the request id, names the request: a late abort must not hit a
+        newer request that reuses the id.
+        """
+        self._inbox.append(stream)
         self._wake.set()
 
     # ---- the loop ----
@@ -243,12 +268,13 @@ class Engine:
         inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, Sequence):
-                if item.request_id in self._streams:
+                stream = self._streams.get(item.request_id)
+                if stream is not None and stream.seq is item:
                     scheduler.add(item)
-            else:
-                stream = self._streams.pop(item, None)
-                if stream is not None and scheduler.abort(stream.seq.seq_id) is not None:
-                    log.info("request_aborted", request_id=item, completion_tokens=stream.seq.num_output_tokens)
+            elif self._streams.get(item.seq.request_id) is item:
+                del self._streams[item.seq.request_id]
+                scheduler.abort(item.seq.seq_id)
+                log.info("request_aborted", request_id=item.seq.request_id, completion_tokens=item.seq.num_output_tokens)
 
     async def _loop(self, scheduler: Scheduler) -> None:
         while True:
@@ -274,8 +300,10 @@ class Engine:
             reason = event.finish_reason
             # A stop token ends the text: it is returned in token_ids, never shown.
             text = "" if reason is FinishReason.STOP else stream.text.push(event.token_id)
-            if reason is None and stream.text.matched_stop is not None:
-                scheduler.finish(seq.seq_id, FinishReason.STOP_SEQUENCE)
+            if stream.text.matched_stop is not None:
+                # Also when this token reached max_tokens: the stop string is why the text ends.
+                if reason is None:
+                    scheduler.finish(seq.seq_id, FinishReason.STOP_SEQUENCE)
                 reason = FinishReason.STOP_SEQUENCE
             elif reason is not None:
                 text += stream.text.flush()
@@ -325,49 +353,6 @@ class Engine:
             execute_ms=round(timing.execute_seconds * 1e3, 3),
         )
         self._stats.add(num_tokens, num_sampled, timing)
-        if self._stats.elapsed() >= STATS_INTERVAL_S:
+        if self._stats.due() and self.scheduler is not None:
             log.info("engine_stats", **self._stats.summary(self.scheduler))
             self._stats.reset()
-
-
-@dataclass
-class _Stats:
-    """Running totals between two periodic `engine_stats` log lines."""
-
-    started: float = field(default_factory=time.monotonic)
-    steps: int = 0
-    tokens: int = 0
-    sampled: int = 0
-    plan_bytes: int = 0
-    roundtrip: float = 0.0
-
-    def add(self, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
-        if self.steps == 0:  # rates cover busy time, not the idle wait before the first step
-            self.started = time.monotonic() - timing.roundtrip_seconds
-        self.steps += 1
-        self.tokens += num_tokens
-        self.sampled += num_sampled
-        self.plan_bytes += timing.plan_bytes
-        self.roundtrip += timing.roundtrip_seconds
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def summary(self, scheduler: Scheduler | None) -> dict[str, float | int]:
-        seconds = max(self.elapsed(), 1e-9)
-        out: dict[str, float | int] = {
-            "steps": self.steps,
-            "input_tokens_per_s": round(self.tokens / seconds, 1),
-            "output_tokens_per_s": round(self.sampled / seconds, 1),
-            "mean_plan_bytes": self.plan_bytes // max(self.steps, 1),
-            "mean_roundtrip_ms": round(self.roundtrip / max(self.steps, 1) * 1e3, 3),
-        }
-        if scheduler is not None:
-            bm = scheduler.block_manager
-            out |= {"running": scheduler.num_running, "waiting": scheduler.num_waiting, "kv_used_blocks": bm.num_used_blocks}
-        return out
-
-    def reset(self) -> None:
-        self.started = time.monotonic()
-        self.steps = self.tokens = self.sampled = self.plan_bytes = 0
-        self.roundtrip = 0.0

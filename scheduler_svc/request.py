@@ -101,11 +101,16 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
         )
 
 
-def sampling_params(req: GenerationRequest, seed: int) -> SamplingParams:
+# Below this a temperature would overflow the scaled logits; it samples the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
+
+def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> SamplingParams:
     return SamplingParams(
-        temperature=float(req.temperature),
+        temperature=float(req.temperature) if req.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=float(req.top_p) if req.top_p > 0 else 1.0,
-        top_k=int(req.top_k),
+        # top_k beyond the vocabulary keeps everything; clamping keeps it inside int32 too.
+        top_k=min(int(req.top_k), limits.vocab_size),
         seed=seed,
     )
 

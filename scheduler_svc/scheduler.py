@@ -167,7 +167,9 @@ class Scheduler:
     def _build_plan(self, step_id: int, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
         n = len(scheduled)
         tables = [self.block_manager.block_table(seq.seq_id) for seq, _ in scheduled]
-        block_tables = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
+        # Padding is -1, never a real block: a stray use of it fails loudly instead of reading
+        # or writing someone else's block.
+        block_tables = np.full((n, max(len(t) for t in tables)), -1, dtype=np.int32)
         input_ids: list[int] = []
         for row, (table, (seq, q)) in enumerate(zip(tables, scheduled)):
             block_tables[row, : len(table)] = table

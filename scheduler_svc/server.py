@@ -73,7 +73,9 @@ class SchedulerServer:
         return self.port
 
     async def stop(self) -> None:
+        """Drain: NOT_SERVING, new requests refused, in-flight ones get the grace period to finish."""
         await self._on_ready(False)
+        await self.engine.drain(self.server_config.grace_seconds)
         await self.engine.stop()
-        await self.server.stop(self.server_config.grace_seconds)
+        await self.server.stop(1.0)
         log.info("scheduler_stopped")

@@ -23,7 +23,16 @@ _CONTEXT_TOKENS = 6
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self._tokenizer = tokenizer
-        self._decoder = DecodeStream(ids=prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=True)
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt may end inside a multi-byte character. Given as context, those tokens would
+        # make the first output repeat the context; instead they are stepped through the
+        # decoder, which holds their bytes until the output completes the character.
+        partial: list[int] = []
+        while context and tokenizer.decode(context).endswith("\ufffd"):
+            partial.insert(0, context.pop())
+        self._decoder = DecodeStream(ids=context, skip_special_tokens=True)
+        for token in partial:
+            self._decoder.step(tokenizer.backend, token)
         self._stop = tuple(s for s in stop if s)
         self._held = ""
         self.matched_stop: str | None = None

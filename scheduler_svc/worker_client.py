@@ -66,7 +66,10 @@ class WorkerClient:
         if reply is grpc.aio.EOF:
             raise WorkerLost(f"worker {self.address} closed its step stream")
         roundtrip = time.perf_counter() - start
-        result = wire.step_result(reply, plan.num_seqs)
+        try:
+            result = wire.step_result(reply, plan.num_seqs)
+        except ValueError as error:
+            raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:
             raise WorkerLost(f"worker {self.address} answered step {result.step_id} to plan {plan.step_id}")
         return result, StepTiming(size, roundtrip, result.execute_seconds)

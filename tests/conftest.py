@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
+
+# Without CUDA the Triton kernels run in Triton's interpreter. It is chosen when a kernel is
+# defined, so the variable must be set before anything imports a kernel module.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -25,6 +33,14 @@ REPO = Path(__file__).resolve().parent.parent
 logsetup.configure("warning", json=False)
 
 
+# Where the Triton kernels run in tests: the GPU when there is one, else the interpreter on CPU.
+KERNEL_DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full-kernels", action="store_true", help="run the whole kernel test grid (slow without CUDA)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,9 +49,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
+    from common.cli import cache_root
     from common.model_prep import prepare_default_model
 
-    return prepare_default_model()
+    return prepare_default_model(cache_root())
 
 
 def make_tiny_model(out: Path, tokenizer_from: Path, **overrides: object) -> Path:

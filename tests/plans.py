@@ -24,7 +24,7 @@ class Feed:
 def make_plan(step_id: int, feeds: list[Feed]) -> StepPlan:
     n = len(feeds)
     width = max(len(f.block_table) for f in feeds)
-    tables = np.zeros((n, width), dtype=np.int32)
+    tables = np.full((n, width), -1, dtype=np.int32)
     for i, f in enumerate(feeds):
         tables[i, : len(f.block_table)] = f.block_table
     return StepPlan(

@@ -1,7 +1,7 @@
 """Our decoder over the paged cache against transformers' logits, on random-weight configs.
 
-Three sequences run through mixed steps (fresh prefill, a later chunk, decode) with permuted
-block tables; every fed token's logits must match the reference's at that position within
+Three sequences run through mixed steps (fresh prefill, a later chunk, decode) and a step of
+decodes only, with permuted block tables; every fed token's logits must match the reference's at that position within
 1e-4 in float32.
 """
 
@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from common.config import CacheConfig, WorkerConfig
+from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
 from worker_svc.runner import ModelRunner
 
@@ -51,7 +52,7 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 BLOCK = 8
 
 
-def build(tmp_path: Path, case: str) -> tuple[torch.nn.Module, ModelRunner]:
+def build(tmp_path: Path, case: str, backend: str = "torch") -> tuple[torch.nn.Module, ModelRunner]:
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(0)
     ref = model_cls(config_cls(**(BASE | extra))).float().eval()
@@ -61,23 +62,33 @@ def build(tmp_path: Path, case: str) -> tuple[torch.nn.Module, ModelRunner]:
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
     ref.save_pretrained(str(tmp_path))
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
     runner = ModelRunner(
-        WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40))
+        WorkerConfig(model=str(tmp_path), dtype="float32", device=device, attention_backend=backend,
+                     cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40))
     )
     return ref, runner
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers(tmp_path: Path, case: str) -> None:
-    ref, runner = build(tmp_path, case)
+# The Triton path runs under the interpreter on CPU (slow), so it covers a subset of configs.
+TRITON_CASES = ["llama-gqa-untied", "llama-mqa-headdim", "llama3-rope", "qwen2-qkv-bias"]
+
+
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    [(c, "torch") for c in CASES] + [(c, "triton") for c in TRITON_CASES],
+)
+def test_logits_match_transformers(tmp_path: Path, case: str, backend: str) -> None:
+    ref, runner = build(tmp_path, case, backend)
     g = torch.Generator().manual_seed(1)
-    seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 14), (1, 23), (2, 9))}
+    seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 15), (1, 23), (2, 10))}
     # Permuted, interleaved block ids; block 0 is never used, so table padding points at it.
     tables = {0: [7, 3, 12, 1], 1: [2, 9, 5, 14, 4, 11, 8], 2: [6, 13, 10]}
     steps = [  # (seq, start, count) fed per step
         [(0, 0, 13), (1, 0, 7)],
         [(0, 13, 1), (1, 7, 11), (2, 0, 9)],
         [(1, 18, 5)],
+        [(0, 14, 1), (2, 9, 1)],  # decodes only: the Triton backend's split-K decode kernel
     ]
     got: dict[int, dict[int, torch.Tensor]] = {i: {} for i in seqs}
     for step_id, step in enumerate(steps):
@@ -91,7 +102,7 @@ def test_logits_match_transformers(tmp_path: Path, case: str) -> None:
     with torch.no_grad():
         for i, ids in seqs.items():
             want = ref(torch.tensor([ids])).logits[0]  # [len, vocab]
-            mine = torch.stack([got[i][p] for p in range(len(ids))])
+            mine = torch.stack([got[i][p] for p in range(len(ids))]).cpu()
             torch.testing.assert_close(mine, want, atol=1e-4, rtol=0)
 
 

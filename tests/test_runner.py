@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import CacheConfig, WorkerConfig
+from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
 from worker_svc.runner import ModelRunner, PlanError
 
@@ -21,13 +22,25 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, M
                       num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
     ref = LlamaForCausalLM(cfg).float().eval()
     ref.save_pretrained(str(path))
-    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu",
+    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", attention_backend="torch",
                                       cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
     return ref, runner
 
 
-def test_greedy_decoding_through_steps_equals_transformers_generate(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+@pytest.fixture(scope="module")
+def triton_model(model: tuple[LlamaForCausalLM, ModelRunner]) -> tuple[LlamaForCausalLM, ModelRunner]:
+    """The same weights with every per-layer op on our Triton kernels (interpreter on CPU)."""
     ref, runner = model
+    return ref, ModelRunner(WorkerConfig(model=runner.config.model, dtype="float32", device=KERNEL_DEVICE, attention_backend="triton",
+                                         cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_decoding_through_steps_equals_transformers_generate(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    ref, runner = request.getfixturevalue("model" if backend == "torch" else "triton_model")
+    assert runner.attention_backend == backend
     prompts = [[5, 17, 42, 99, 3], list(range(10, 30))]
     tables = [[3, 9, 1, 12], [4, 2, 15, 6, 11]]
     new_tokens = 12

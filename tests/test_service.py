@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from tests.conftest import Scheduler, collect, free_port, request, start_scheduler, start_worker, stop_scheduler
+from tests.conftest import KERNEL_DEVICE, Scheduler, collect, free_port, request, start_scheduler, start_worker, stop_scheduler
 
 
 async def test_stream_delivers_every_token_then_the_finish_reason(tiny_scheduler: Scheduler) -> None:
@@ -117,8 +117,10 @@ async def test_cancelled_stream_frees_its_blocks_within_one_step(tiny_scheduler:
     assert bm.num_used_blocks > 0
     step_at_cancel = engine.scheduler._next_step_id
     call.cancel()
-    while bm.num_used_blocks:
+    deadline = asyncio.get_running_loop().time() + 10
+    while bm.num_used_blocks and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.001)
+    assert bm.num_used_blocks == 0
     # the step in flight at cancel time may finish; the abort lands at the next boundary
     assert engine.scheduler._next_step_id - step_at_cancel <= 2
     assert not engine.scheduler.has_work
@@ -173,6 +175,24 @@ async def test_preemption_under_a_small_pool_keeps_outputs_exact(tiny_model_dir:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(s.stub, request(ids=[1] * 100, max_tokens=100))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await s.wait_idle()
+    finally:
+        await stop_scheduler(s)
+        worker.stop()
+
+
+async def test_triton_backend_worker_streams_what_the_torch_backend_streams(
+    tiny_model_dir: Path, tiny_scheduler: Scheduler
+) -> None:
+    """The worker flag end to end: Triton kernels (interpreter on CPU) behind the real services."""
+    prompts = [[300 + 7 * i + k for k in range(5 + 9 * i)] for i in range(3)]
+    want = [await collect(tiny_scheduler.stub, request(ids=p, max_tokens=6, ignore_eos=True)) for p in prompts]
+    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "32", "--attention-backend", "triton", "--device", KERNEL_DEVICE)
+    s = await start_scheduler(tiny_model_dir, worker.address)
+    try:
+        await s.wait_ready()
+        got = await asyncio.gather(*(collect(s.stub, request(ids=p, max_tokens=6, ignore_eos=True)) for p in prompts))
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
         await s.wait_idle()
     finally:
         await stop_scheduler(s)

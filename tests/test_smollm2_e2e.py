@@ -163,6 +163,11 @@ def test_generate_command_streams_to_the_terminal(up: Up) -> None:
 
 
 def test_metrics_return_to_idle_after_the_requests(up: Up) -> None:
+    async def one() -> None:
+        async with grpc.aio.insecure_channel(up.address) as channel:
+            await collect(generation_pb2_grpc.GenerationStub(channel), request("Hello", max_tokens=3))
+
+    asyncio.run(one())
     text = up.metrics()
     label = 'model_name="SmolLM2-135M-Instruct"'
     assert f"llmserve:kv_cache_usage_perc{{{label}}} 0.0" in text

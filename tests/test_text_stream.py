@@ -74,3 +74,11 @@ def test_earliest_of_several_stop_strings_wins(tok: Tokenizer) -> None:
         if stream.matched_stop:
             break
     assert stream.matched_stop == "alpha" and shown == "x "
+
+
+def test_prompt_ending_inside_a_character_does_not_repeat_itself(tok: Tokenizer) -> None:
+    ids = tok.encode(" a b c d e😀 done")
+    cut = next(i for i in range(len(ids)) if tok.decode(ids[: i + 1]).endswith("\ufffd"))
+    stream = TextStream(tok, ids[: cut + 1])
+    shown = "".join(stream_all(stream, ids[cut + 1 :]))
+    assert shown == "😀 done"

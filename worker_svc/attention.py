@@ -76,7 +76,8 @@ class TorchPagedAttention:
             seq_lens=t(seq_lens, torch.int32),
             query_start_loc=t(starts, torch.int32),
             decode_token_idx=t(starts[rows], torch.int64),
-            decode_block_tables=t(block_tables[rows, :width_d], torch.int64),
+            # padding (-1) becomes block 0: gathered, then masked out by decode_padding
+            decode_block_tables=t(np.maximum(block_tables[rows, :width_d], 0), torch.int64),
             decode_padding=t(padding[:, None, :], torch.bool),
             prefills=prefills,
             store_all=bool((slot_mapping >= 0).all()),

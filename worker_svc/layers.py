@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
+from kernels.rms_norm import rms_norm
+
 WeightLoader = Callable[[torch.Tensor, "str | None"], None]
 
 
@@ -69,12 +72,13 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like the reference; with `residual`, adds it first.
 
     `forward(x, residual)` returns (normed, x + residual): the sum is the next layer's residual,
-    so the add and the norm read x once (the fused kernel keeps this interface).
+    so the add and the norm read x once. `fused` runs the Triton kernel, same interface.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = _plain_loader(self.weight)  # type: ignore[attr-defined]
 
@@ -84,15 +88,23 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * d] -> [..., d]: silu(gate) * up."""
+    """[..., 2 * d] -> [..., d]: silu(gate) * up (`fused`: one Triton kernel)."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

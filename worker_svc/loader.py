@@ -73,10 +73,23 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None) -> CausalLM:
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """'auto' is triton on CUDA and torch on CPU (where Triton only has its slow interpreter)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    attention_backend: str = "torch",
+) -> CausalLM:
     config = load_config(model_dir)
     with torch.device(device):
-        model = CausalLM(config, dtype, max_positions)
+        model = CausalLM(config, dtype, max_positions, attention_backend)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     log.info(
@@ -86,6 +99,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         layers=model.shape.num_layers,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        attention_backend=attention_backend,
         parameters=sum(p.numel() for p in model.parameters()),
     )
     return model

@@ -14,9 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_svc.attention import AttentionMetadata, TorchPagedAttention
+from worker_svc.attention import TorchPagedAttention
 from worker_svc.layers import Embedding, Linear, RMSNorm, SiluAndMul
 from worker_svc.rotary import RotaryEmbedding
+from worker_svc.triton_attention import TritonPagedAttention
+
+ATTENTION_BACKENDS = ("torch", "triton")
+Backend = TorchPagedAttention | TritonPagedAttention
+# Metadata of whichever backend built it; layers pass it through untouched.
+AttentionMetadata = Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -83,7 +89,7 @@ class ModelShape:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend) -> None:
         super().__init__()
         h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
@@ -92,9 +98,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
@@ -107,28 +111,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, fused: bool) -> None:
         super().__init__()
         inter = shape.intermediate_size
         self.gate_up_proj = Linear(shape.hidden_size, {"gate": inter, "up": inter}, bias=shape.mlp_bias)
         self.down_proj = Linear(inter, shape.hidden_size, bias=shape.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
         self.self_attn = Attention(shape, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
+        self.mlp = MLP(shape, fused)
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Any,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -141,28 +145,37 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: TorchPagedAttention) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, fused) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its LM head; `forward` returns hidden states, `compute_logits` logits."""
+    """The decoder plus its LM head; `forward` returns hidden states, `compute_logits` logits.
 
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
+    `attention_backend` "triton" runs attention, the KV store, RMSNorm, rotary and SiLU-and-mul
+    through our Triton kernels (matmuls stay with cuBLAS); "torch" keeps everything in torch.
+    """
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int | None = None, attention_backend: str = "torch") -> None:
         super().__init__()
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}")
         shape = ModelShape.from_config(config)
         self.shape = shape
+        fused = attention_backend == "triton"
         self.rotary = RotaryEmbedding(
             config.get_text_config() if hasattr(config, "get_text_config") else config,
             shape.head_dim,
             max_positions or shape.max_position_embeddings,
             dtype,
+            fused,
         )
-        self.attention = TorchPagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5)
-        self.model = DecoderModel(shape, self.rotary, self.attention)
+        backend_cls = TritonPagedAttention if fused else TorchPagedAttention
+        self.attention: Backend = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5)
+        self.model = DecoderModel(shape, self.rotary, self.attention, fused)
         # A tied head reads the embedding matrix: no second copy, and no lm_head in the checkpoint.
         self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size)
         self.to(dtype)

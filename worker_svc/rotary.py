@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels.rotary import apply_rotary
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -40,8 +42,11 @@ def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+    """`lookup` once per step, `rotate` per layer; `fused` rotates in place with the Triton kernel."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         inv_freq, factor = inverse_frequencies(config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
@@ -50,16 +55,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * factor).to(dtype), persistent=False)
         self.register_buffer("sin", (freqs.sin() * factor).to(dtype), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [tokens, 1, head_dim / 2] for this step; gathered once, used by every layer."""
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What every layer of this step needs: cos, sin [tokens, 1, head_dim / 2] gathered once,
+        or, fused, the positions themselves (the kernel reads the tables)."""
+        if self.fused:
+            return positions
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    @staticmethod
     def rotate(
-        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+        self, rope: torch.Tensor | tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = cos_sin
+        if isinstance(rope, torch.Tensor):
+            apply_rotary(q, k, rope, self.cos, self.sin)
+            return q, k
+        cos, sin = rope
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

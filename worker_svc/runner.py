@@ -17,7 +17,7 @@ from common.plan import SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from worker_svc import kv_cache
 from worker_svc.kv_cache import KVCache
-from worker_svc.loader import load_model, resolve_device, resolve_dtype
+from worker_svc.loader import load_model, resolve_attention_backend, resolve_device, resolve_dtype
 from worker_svc.sampler import sample
 
 log = structlog.get_logger(__name__)
@@ -32,7 +32,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend)
         self.shape = self.model.shape
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
@@ -100,14 +101,16 @@ class ModelRunner:
             raise PlanError(str(error)) from error
         if plan.num_seqs == 0:
             return
-        bt = plan.block_tables
-        if bt.size and (int(bt.min()) < 0 or int(bt.max()) >= self.kv.num_blocks):
-            raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
+        bt, bs = plan.block_tables, self.block_size
         ends = plan.context_lens.astype(np.int64) + plan.query_lens
         if int(plan.context_lens.min()) < 0 or int(ends.max()) > self.max_model_len:
             raise PlanError(f"positions outside the model's context of {self.max_model_len}")
-        if int(ends.max()) > bt.shape[1] * self.block_size:
+        needed = -(-ends // bs)  # blocks each sequence uses after this step
+        if int(needed.max()) > bt.shape[1]:
             raise PlanError("block tables too narrow for the sequences' lengths")
+        used = bt[np.arange(bt.shape[1])[None, :] < needed[:, None]]  # every entry a token lives in
+        if used.size and (int(used.min()) < 0 or int(used.max()) >= self.kv.num_blocks):
+            raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
         ids = plan.input_ids
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
             raise PlanError(f"token id outside the vocabulary of {self.shape.vocab_size}")

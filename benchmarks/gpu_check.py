@@ -1,0 +1,239 @@
+"""One command for a lent GPU: kernel tests on CUDA, then kernel and end-to-end benchmarks.
+
+    python benchmarks/gpu_check.py --out gpu_check.json          # on a CUDA machine, < 10 min
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke    # tiny shapes on CPU: checks the script
+
+Measures, in one JSON file:
+  copy_bandwidth   device-to-device copy of a large buffer (bytes read + written per second)
+  decode           paged_decode_attention, batch 64 x 4k context (32 query / 8 KV heads of 128),
+                   plus a medium and a small case, against SDPA on contiguous tensors; target:
+                   >= 60 % of the copy bandwidth on the 64 x 4k case (stretch 80 %)
+  prefill          paged_prefill_attention on fresh prompts against causal SDPA; target:
+                   >= 40 % of the measured bf16 dense matmul peak
+  e2e              greedy decoding of a random-weight Llama-3.2-1B-shaped model through the
+                   worker's ModelRunner and our scheduler, triton backend vs torch backend
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+
+def timed(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median seconds per call after a warm-up call (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, numel: int, iters: int) -> float:
+    src = torch.empty(numel, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * numel / timed(lambda: dst.copy_(src), iters, device)
+
+
+def matmul_peak(device: torch.device, n: int, iters: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / timed(lambda: a @ b, iters, device)
+
+
+def random_cache(batch: int, ctx: int, kv_heads: int, head_dim: int, block: int, device: torch.device):
+    blocks_per_seq = -(-ctx // block)
+    num_blocks = batch * blocks_per_seq
+    k = torch.randn(num_blocks, block, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    return k, v, tables
+
+
+def bench_decode(batch: int, ctx: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+    from kernels.paged_attention import paged_decode_attention
+
+    k, v, tables = random_cache(batch, ctx, kv_heads, head_dim, 16, device)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ours = timed(lambda: paged_decode_attention(q, k, v, tables, seq_lens, head_dim**-0.5, out=out), iters, device)
+    kc = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    qc = q.unsqueeze(2)
+    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True), iters, device)
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
+    return {"batch": batch, "context": ctx, "ours_s": ours, "sdpa_contiguous_s": sdpa,
+            "ours_bytes_per_s": kv_bytes / ours, "sdpa_bytes_per_s": kv_bytes / sdpa}
+
+
+def bench_prefill(seqs: int, length: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+    from kernels.prefill_attention import paged_prefill_attention
+
+    k, v, tables = random_cache(seqs, length, kv_heads, head_dim, 16, device)
+    seq_lens = torch.full((seqs,), length, dtype=torch.int32, device=device)
+    starts = torch.arange(seqs + 1, dtype=torch.int32, device=device) * length
+    q = torch.randn(seqs * length, heads, head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ours = timed(lambda: paged_prefill_attention(q, k, v, tables, starts, seq_lens, head_dim**-0.5, out=out), iters, device)
+    qc = torch.randn(seqs, heads, length, head_dim, device=device, dtype=torch.bfloat16)
+    kc = torch.randn(seqs, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True), iters, device)
+    flops = seqs * heads * (length * (length + 1) / 2) * head_dim * 4  # causal QK^T and PV
+    return {"seqs": seqs, "length": length, "ours_s": ours, "sdpa_contiguous_s": sdpa,
+            "ours_flops_per_s": flops / ours, "sdpa_flops_per_s": flops / sdpa}
+
+
+def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
+    """Greedy decoding through ModelRunner + Scheduler, triton vs torch backend, same weights."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
+    from worker_svc.runner import ModelRunner
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, max_position_embeddings=512) if smoke else dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.device(device):  # random init of 1.2B parameters is much faster on the GPU
+            model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, initializer_range=0.05, **shape))
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        del model
+        results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
+        tokens: dict[str, list[list[int]]] = {}
+        for backend in ("triton", "torch"):
+            dtype = "float32" if device.type == "cpu" else "bfloat16"
+            runner = ModelRunner(WorkerConfig(model=tmp, dtype=dtype, device=str(device), attention_backend=backend,
+                                              cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096)))
+            sched = Scheduler(SchedulerConfig(), BlockManager(runner.kv.num_blocks, 16), runner.max_model_len, frozenset())
+            rng = np.random.default_rng(0)
+            seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
+                             StoppingParams(max_tokens=steps), arrival=i) for i in range(4 if smoke else 32)]
+            for s in seqs:
+                sched.add(s)
+            start, generated = time.perf_counter(), 0
+            while (plan := sched.schedule()) is not None:
+                generated += len(sched.update(plan, runner.execute(plan)))
+            seconds = time.perf_counter() - start
+            tokens[backend] = [s.output_token_ids for s in seqs]
+            results[backend] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds}
+            del runner
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"]))
+        results["sequences_identical_between_backends"] = f"{same}/{len(tokens['torch'])}"
+    return results
+
+
+def run_kernel_tests() -> dict[str, Any]:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"returncode": 0, "summary": ["skipped: pytest is not installed here"], "seconds": 0.0, "output_tail": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_runner.py",
+           "tests/test_model_forward.py", "--full-kernels"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    return {"returncode": proc.returncode, "summary": tail, "seconds": time.perf_counter() - start,
+            "output_tail": proc.stdout[-4000:] if proc.returncode else ""}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="JSON result path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script itself")
+    p.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per benchmark (median reported)")
+    args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error("--iters must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("gpu_check needs CUDA; run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
+    iters = 2 if args.smoke else args.iters
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+    }
+    import triton
+
+    result["triton"] = triton.__version__
+    if cuda and not args.skip_tests:
+        result["kernel_tests"] = run_kernel_tests()
+        print("kernel tests:", result["kernel_tests"]["summary"], flush=True)
+    copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30), iters)
+    peak = matmul_peak(device, 256 if args.smoke else 8192, iters)
+    result["copy_bandwidth_bytes_per_s"] = copy_bw
+    result["bf16_matmul_peak_flops_per_s"] = peak
+    decode_cases = [(2, 64)] if args.smoke else [(64, 4096), (16, 1024), (4, 256)]
+    result["decode"] = [bench_decode(b, c, device, iters, *((4, 2, 64) if args.smoke else ())) for b, c in decode_cases]
+    for case in result["decode"]:
+        case["fraction_of_copy_bandwidth"] = case["ours_bytes_per_s"] / copy_bw
+        print(f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
+              f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us", flush=True)
+    prefill_cases = [(2, 48)] if args.smoke else [(4, 2048), (1, 8192)]
+    result["prefill"] = [bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in prefill_cases]
+    for case in result["prefill"]:
+        case["fraction_of_matmul_peak"] = case["ours_flops_per_s"] / peak
+        print(f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+              f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}", flush=True)
+    result["e2e"] = bench_e2e(device, args.smoke, steps=4 if args.smoke else 128)
+    print("e2e:", json.dumps(result["e2e"]), flush=True)
+    result["targets"] = {
+        "decode_64x4k_fraction_of_copy_bandwidth": result["decode"][0]["fraction_of_copy_bandwidth"],
+        "decode_target_met": result["decode"][0]["fraction_of_copy_bandwidth"] >= 0.6,
+        "prefill_fraction_of_peak": result["prefill"][0]["fraction_of_matmul_peak"],
+        "prefill_target_met": result["prefill"][0]["fraction_of_matmul_peak"] >= 0.4,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out_path}")
+    return 0 if result.get("kernel_tests", {}).get("returncode", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Argument checks and launch helpers shared by every kernel wrapper.
+
+Each public wrapper validates shapes, dtypes, devices and strides before launching, because a
+Triton kernel does no bounds checks: a wrong stride reads someone else's memory silently.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on CPU tensors with numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def native_dot(dtype: torch.dtype) -> bool:
+    """Whether tl.dot may take the tensors' own 16-bit dtype.
+
+    The interpreter computes bf16 dots wrongly, so there everything is widened to float32
+    right after loading; on a GPU 16-bit dots run on tensor cores with float32 accumulation.
+    """
+    return dtype != torch.float32 and not interpreting()
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum) (tile extents must be powers of two)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+    contiguous_last: bool = True,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        fail(name, f"expected a tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        fail(name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        fail(name, f"dtype {t.dtype} not in {', '.join(str(d) for d in dtypes)}")
+    if device is not None and t.device != device:
+        fail(name, f"on {t.device}, expected {device} like the other inputs")
+    if contiguous_last and t.numel() and t.stride(-1) != 1:
+        fail(name, f"the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        fail(name, f"expected shape {shape}, got {tuple(t.shape)}")
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as q."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, 4, (dtype,), device=None)
+        if c.shape[2:] != (num_kv_heads, head_dim):
+            fail(name, f"expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(c.shape)}")
+        if c.shape[1] & (c.shape[1] - 1):
+            fail(name, f"block_size must be a power of two, got {c.shape[1]}")
+    if k_cache.shape != v_cache.shape:
+        fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+
+
+def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The caller's output tensor (checked) or a new one shaped like `like`."""
+    if out is None:
+        return torch.empty_like(like)
+    check_tensor("out", out, like.dim(), (like.dtype,), device=like.device)
+    check_shape("out", out, tuple(like.shape))
+    return out

@@ -1,0 +1,206 @@
+"""Decode attention over the paged KV cache: one query token per sequence (flash-decoding).
+
+Work is split three ways so that a small batch of long sequences still fills the GPU:
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+    program (s, g, p): the query heads of KV group g of sequence s (read as one matrix, so each
+    K/V tile is loaded once per group), against tokens [p * per_split, (p + 1) * per_split)
+    of that sequence, in tiles of TILE_N tokens gathered through the block table.
+
+Each program leaves an unnormalised partial result with its running max and sum; a second
+kernel merges the splits (log-sum-exp weights). A split that starts past the end of its
+sequence leaves max = -inf and sum = 0 and weighs nothing in the merge. The number of splits
+comes from the batch shape and the block-table width only, never from reading seq_lens on the
+host, so the launch needs no synchronisation and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache, check_out, check_shape, check_tensor, fail, FLOAT_DTYPES, native_dot, pow2
+from kernels.workspace import workspace
+
+TILE_N = 64  # tokens per inner iteration
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    acc_ptr, max_ptr, sum_ptr,
+    scale, tokens_per_split,
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    num_heads, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_t = tl.arange(0, TILE)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(start, end, TILE):
+        tok = tile_start + offs_t
+        t_mask = tok < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
+        row = tok % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not NATIVE_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE] float32
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    part = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD] index into [S, H, P]
+    tl.store(max_ptr + part, m, mask=g_mask)
+    tl.store(sum_ptr + part, l, mask=g_mask)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr,
+    stride_os, stride_oh,
+    num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    p_mask = offs_p < num_splits
+    d_mask = offs_d < HEAD_DIM
+    part = (seq * num_heads + head) * num_splits + offs_p
+    m = tl.load(max_ptr + part, mask=p_mask, other=float("-inf"))
+    l = tl.load(sum_ptr + part, mask=p_mask, other=0.0)
+    m_all = tl.max(m, 0)
+    # Empty splits carry max = -inf: exp(-inf - m_all) = 0 removes them from both sums.
+    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
+    """Enough programs to fill the device twice over, but no split shorter than one tile."""
+    if device.type == "cuda":
+        units = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        units = 4
+    want = -(-units // max(1, num_seqs * num_kv_heads))
+    tiles = -(-(max_blocks * block_size) // TILE_N)
+    return max(1, min(want, tiles, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim].
+
+    Sequence i attends to its seq_lens[i] cached tokens (this step's included), found through
+    block_tables[i] (int32 [num_seqs, max_blocks_per_seq]). `num_splits` overrides the split
+    heuristic (tests use it to force empty splits).
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    check_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    if k_cache.device != q.device:
+        fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    if block_tables.shape[0] != num_seqs:
+        fail("block_tables", f"has {block_tables.shape[0]} rows for {num_seqs} sequences")
+    out = check_out(out, q)
+    if num_seqs == 0:
+        return out
+    block_size = k_cache.shape[1]
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
+    capacity = block_tables.shape[1] * block_size
+    per_split = -(-capacity // splits)
+    per_split = -(-per_split // TILE_N) * TILE_N if num_splits is None else max(1, per_split)
+    group = num_heads // num_kv_heads
+    parts = num_seqs * num_heads * splits
+    acc, maxes, sums = workspace(q.device, parts * head_dim, parts, parts)
+    _decode_partial_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        acc, maxes, sums,
+        scale, per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        num_heads, splits,
+        GROUP=group, GROUP_PAD=pow2(group, 16),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
+        BLOCK_SIZE=block_size, TILE=TILE_N, NATIVE_DOT=native_dot(q.dtype),
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        acc, maxes, sums, out,
+        out.stride(0), out.stride(1),
+        num_heads, splits,
+        SPLITS_PAD=pow2(splits, 2), HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
+    )
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float32 reference: gather each sequence's tokens and attend with plain softmax."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for i in range(num_seqs):
+        n = int(seq_lens[i])
+        blocks = block_tables[i, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [n, kv_heads, d]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, heads, d]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return out

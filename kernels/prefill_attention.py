@@ -1,0 +1,179 @@
+"""Causal attention of query chunks over the paged KV cache: prefill, chunks and decode mixed.
+
+Sequence i brings q_len_i = query_start_loc[i+1] - query_start_loc[i] query tokens, which are
+the last q_len_i of its seq_lens[i] tokens (its KV, this step's included, is in the cache):
+
+    positions   0 ............ ctx-1 | ctx ........ seq_len-1      ctx = seq_len - q_len
+                cached earlier       | this step's queries
+    query r (position ctx + r) attends to positions 0 .. ctx + r
+
+That one rule serves a fresh prompt (ctx = 0), a later chunk of a long prompt, a prompt whose
+prefix came from the prefix cache, and decode (q_len = 1).
+
+    grid = (total_tokens // TILE_M + num_seqs, num_heads)
+
+Query tiles never straddle two sequences: sequence i owns tiles starting at
+query_start_loc[i] // TILE_M + i, and a program finds its sequence by binary search over
+query_start_loc, so the grid depends on tensor shapes only (no host read of the lengths).
+Programs past the end of their sequence's tiles do nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, check_cache, check_out, check_shape, check_tensor, fail, native_dot, pow2
+
+TILE_M = 64  # query rows per program
+TILE_N = 64  # key tokens per inner iteration
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
+    scale, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    # Binary search: the last sequence whose first tile index is <= tile.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_ptr + mid) // TILE_M + mid
+        lo = tl.where(first_tile <= tile, mid, lo)
+        hi = tl.where(first_tile <= tile, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    row0 = (tile - (q_start // TILE_M + seq)) * TILE_M
+
+    offs_m = row0 + tl.arange(0, TILE_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, TILE_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_M, HEAD_DIM_PAD]
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
+    q_pos = ctx + offs_m  # position of each query row
+
+    # Keys up to the last valid row's position; nothing at all when this tile is empty.
+    last_row = tl.minimum(row0 + TILE_M, q_len) - 1
+    kv_end = tl.where(row0 < q_len, ctx + last_row + 1, 0)
+
+    m = tl.full([TILE_M], float("-inf"), tl.float32)
+    l = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, kv_end, TILE_N):
+        tok = start + offs_n
+        t_mask = tok < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
+        row = tok % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not NATIVE_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [TILE_M, TILE_N]
+        visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # Rows with nothing visible yet keep max = -inf; shift them by 0 so exp gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    total, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    check_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    if k_cache.device != q.device:
+        fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
+    num_seqs = block_tables.shape[0]
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), device=q.device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    out = check_out(out, q)
+    if total == 0 or num_seqs == 0:
+        return out
+    grid = (total // TILE_M + num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
+        BLOCK_SIZE=k_cache.shape[1], TILE_M=TILE_M, TILE_N=TILE_N, NATIVE_DOT=native_dot(q.dtype),
+    )
+    return out
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """float32 reference with an explicit causal mask per sequence."""
+    total, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(total, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for i in range(block_tables.shape[0]):
+        a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        n = int(seq_lens[i])
+        if b == a:
+            continue
+        blocks = block_tables[i, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        pos = torch.arange(n - (b - a), n, device=q.device)
+        visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]  # [q, n]
+        scores = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out[a:b] = torch.einsum("hqn,nhd->qhd", torch.softmax(scores, dim=-1), v)
+    return out

@@ -1,0 +1,167 @@
+"""The engine loop with a fake worker: failure handling, stop strings, aborts, drain.
+
+The fake worker answers each sampled sequence with script[output_position], so the tokens a
+request receives are known in advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.config import SchedulerConfig
+from common.errors import Aborted, Unavailable
+from common.model_spec import ModelSpec
+from common.plan import StepPlan, StepResult
+from common.worker_info import WorkerInfo
+from scheduler_svc.engine import Engine
+from scheduler_svc.request import GenerationRequest, RequestOutput
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.worker_client import StepTiming
+
+
+class FakeWorker:
+    address = "fake"
+
+    def __init__(self, spec: ModelSpec, script: list[int], fail_at_step: int | None = None) -> None:
+        self.spec = spec
+        self.script = script
+        self.fail_at_step = fail_at_step
+        self.steps = 0
+        self.connects = 0
+        self.delay = 0.0
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        self.connects += 1
+        return WorkerInfo(self.spec.name, self.spec.vocab_size, self.spec.max_model_len, "float32", "cpu", 0, 1, 16, 64, 0)
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        self.steps += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_at_step == self.steps:
+            raise RuntimeError("a bug somewhere in the step path")
+        pos = plan.sampling.output_position
+        tokens = np.where(plan.sample == 1, [self.script[p % len(self.script)] for p in pos], -1).astype(np.int32)
+        return StepResult(plan.step_id, tokens), StepTiming(0, 0.0, 0.0)
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def spec(tiny_model_dir: Path) -> ModelSpec:
+    return ModelSpec.from_dir(tiny_model_dir)
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer(tiny_model_dir)
+
+
+async def started(spec: ModelSpec, tokenizer: Tokenizer, worker: FakeWorker) -> Engine:
+    engine = Engine(spec, tokenizer, SchedulerConfig(), worker)  # type: ignore[arg-type]
+    engine.start()
+    for _ in range(100):
+        if engine.ready:
+            return engine
+        await asyncio.sleep(0.01)
+    raise TimeoutError("engine not ready")
+
+
+async def run(engine: Engine, **fields: object) -> list[RequestOutput]:
+    req = GenerationRequest(**{"request_id": "", "prompt_token_ids": (5, 6, 7), "max_tokens": 8, **fields})  # type: ignore[arg-type]
+    return [out async for out in engine.generate(req)]
+
+
+async def test_a_crash_in_the_loop_fails_requests_and_the_engine_recovers(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    worker = FakeWorker(spec, [300, 301, 302], fail_at_step=3)
+    engine = await started(spec, tokenizer, worker)
+    try:
+        with pytest.raises(Aborted, match="after 2 tokens"):
+            await run(engine, ignore_eos=True)
+        for _ in range(100):  # the engine rebuilds itself and reconnects
+            if engine.ready and worker.connects == 2:
+                break
+            await asyncio.sleep(0.01)
+        outs = await run(engine, ignore_eos=True, max_tokens=4)
+        assert [o.token_ids[0] for o in outs] == [300, 301, 302, 300]
+        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_crash_before_any_token_is_unavailable(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    engine = await started(spec, tokenizer, FakeWorker(spec, [300], fail_at_step=1))
+    try:
+        with pytest.raises(Unavailable, match="retry"):
+            await run(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_stop_string_on_the_last_allowed_token_reports_stop_sequence(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    script = tokenizer.encode(" alpha beta gamma")
+    engine = await started(spec, tokenizer, FakeWorker(spec, script))
+    try:
+        outs = await run(engine, max_tokens=len(script), stop=("gamma",), ignore_eos=True)
+        assert outs[-1].finish_reason is FinishReason.STOP_SEQUENCE
+        assert "".join(o.text for o in outs) == " alpha beta "
+    finally:
+        await engine.stop()
+
+
+async def test_a_late_abort_does_not_hit_a_new_request_with_the_same_id(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    worker = FakeWorker(spec, [300, 301])
+    worker.delay = 0.01
+    engine = await started(spec, tokenizer, worker)
+    try:
+        first = engine.generate(GenerationRequest(request_id="x", prompt_token_ids=(1, 2), max_tokens=3))
+        outs = [o async for o in first]
+        assert outs[-1].finish_reason is FinishReason.LENGTH
+        engine._abort(engine._streams.get("x") or _stale_stream(engine, outs))  # noqa: SLF001
+        second = await run(engine, request_id="x", max_tokens=3)
+        assert second[-1].finish_reason is FinishReason.LENGTH and len(second) == 3
+    finally:
+        await engine.stop()
+
+
+def _stale_stream(engine: Engine, outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
+    """A finished request's stream object, as a cancelled handler would still hold it."""
+    from scheduler_svc.engine import _Stream
+    from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.text_stream import TextStream
+
+    seq = Sequence(10**6, "x", [1, 2], SamplingParams(), StoppingParams(max_tokens=3), arrival=10**6)
+    return _Stream(seq, TextStream(engine.tokenizer, [1, 2]))
+
+
+async def test_huge_top_k_and_tiny_temperature_are_safe(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    engine = await started(spec, tokenizer, FakeWorker(spec, [300]))
+    try:
+        outs = await run(engine, top_k=3_000_000_000, temperature=1e-30, max_tokens=2)
+        assert len(outs) == 2
+    finally:
+        await engine.stop()
+
+
+async def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    worker = FakeWorker(spec, [300])
+    worker.delay = 0.02
+    engine = await started(spec, tokenizer, worker)
+    try:
+        in_flight = asyncio.create_task(run(engine, max_tokens=10, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        drain = asyncio.create_task(engine.drain(5.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Unavailable, match="shutting down"):
+            await run(engine)
+        await drain
+        outs = await in_flight
+        assert outs[-1].finish_reason is FinishReason.LENGTH and len(outs) == 10
+    finally:
+        await engine.stop()
