@@ -27,6 +27,11 @@ def native_dot(dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and not interpreting()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 dots stay exact ("ieee", no TF32); for 16-bit inputs the setting does not apply."""
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+
+
 def pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum) (tile extents must be powers of two)."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())

@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_cache, check_shape, check_tensor, fail, pow2
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_cache,
+    check_shape,
+    check_tensor,
+    fail,
+    pow2,
+)
 
 
 @triton.jit

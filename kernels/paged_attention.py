@@ -16,11 +16,23 @@ host, so the launch needs no synchronisation and can be captured in a CUDA graph
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache, check_out, check_shape, check_tensor, fail, FLOAT_DTYPES, native_dot, pow2
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_cache,
+    check_out,
+    check_shape,
+    check_tensor,
+    dot_precision,
+    fail,
+    native_dot,
+    pow2,
+)
 from kernels.workspace import workspace
 
 TILE_N = 64  # tokens per inner iteration
@@ -38,7 +50,7 @@ def _decode_partial_kernel(
     num_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,13 +86,13 @@ def _decode_partial_kernel(
         if not NATIVE_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE] float32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, TILE] float32
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     part = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD] index into [S, H, P]
@@ -114,12 +126,16 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@functools.cache
+def _parallel_units(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
     """Enough programs to fill the device twice over, but no split shorter than one tile."""
-    if device.type == "cuda":
-        units = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        units = 4
+    units = _parallel_units(device)
     want = -(-units // max(1, num_seqs * num_kv_heads))
     tiles = -(-(max_blocks * block_size) // TILE_N)
     return max(1, min(want, tiles, 64))
@@ -176,7 +192,7 @@ def paged_decode_attention(
         num_heads, splits,
         GROUP=group, GROUP_PAD=pow2(group, 16),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=block_size, TILE=TILE_N, NATIVE_DOT=native_dot(q.dtype),
+        BLOCK_SIZE=block_size, TILE=TILE_N, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         acc, maxes, sums, out,

@@ -24,7 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_cache, check_out, check_shape, check_tensor, fail, native_dot, pow2
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_cache,
+    check_out,
+    check_shape,
+    check_tensor,
+    dot_precision,
+    fail,
+    native_dot,
+    pow2,
+)
 
 TILE_M = 64  # query rows per program
 TILE_N = 64  # key tokens per inner iteration
@@ -40,13 +50,14 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
 
     # Binary search: the last sequence whose first tile index is <= tile.
-    lo = 0
+    lo = num_seqs * 0  # an int32 tensor from the start: loop-carried values keep one type
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -91,7 +102,7 @@ def _prefill_kernel(
         if not NATIVE_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [TILE_M, TILE_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [TILE_M, TILE_N]
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -100,7 +111,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -145,7 +156,7 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=k_cache.shape[1], TILE_M=TILE_M, TILE_N=TILE_N, NATIVE_DOT=native_dot(q.dtype),
+        BLOCK_SIZE=k_cache.shape[1], TILE_M=TILE_M, TILE_N=TILE_N, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
     )
     return out
 
