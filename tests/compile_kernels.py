@@ -18,13 +18,17 @@ from triton.compiler import ASTSource
 from kernels.activation import _silu_and_mul_kernel
 from kernels.kv_store import _store_kv_kernel
 from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel
-from kernels.prefill_attention import _prefill_kernel
+from kernels.prefill_attention import NUM_WARPS_GPU, TILE_M_GPU, _prefill_kernel
 from kernels.rms_norm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
 
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
 INT64_POINTERS = {"slot_ptr", "positions_ptr"}
 FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr"}
+
+
+# Launch options the wrappers use on a GPU, where they differ from Triton's defaults.
+NUM_WARPS = {"_prefill_kernel": NUM_WARPS_GPU}
 
 
 def signature(fn: triton.JITFunction, dtype: str, constexprs: dict[str, object]) -> ASTSource:
@@ -57,7 +61,7 @@ def cases() -> list[tuple[str, triton.JITFunction, str, dict[str, object]]]:
         attn = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, NATIVE_DOT=native, DOT_PRECISION=precision)
         out += [
             ("decode", _decode_partial_kernel, dtype, dict(GROUP=4, GROUP_PAD=16, TILE=64, **attn)),
-            ("prefill", _prefill_kernel, dtype, dict(GROUP=4, TILE_M=64, TILE_N=64, **attn)),
+            ("prefill", _prefill_kernel, dtype, dict(GROUP=4, TILE_M=TILE_M_GPU, TILE_N=64, **attn)),
         ]
     out += [
         ("decode_merge", _decode_merge_kernel, "bf16", dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128)),
@@ -75,7 +79,8 @@ def main() -> None:
     for name, fn, dtype, constexprs in cases():
         key = f"{name}-{dtype}"
         try:
-            compiled = triton.compile(signature(fn, dtype, constexprs), target=GPUTarget("cuda", 90, 32))
+            options = {"num_warps": NUM_WARPS.get(fn.fn.__name__, 4)}
+            compiled = triton.compile(signature(fn, dtype, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
             ok = bool(compiled.asm["cubin"]) and ".target sm_90" in compiled.asm["ptx"]
             results[key] = "ok" if ok else "no sm_90 cubin"
         except Exception as error:  # noqa: BLE001 (reported, not raised: one bad kernel must not hide the rest)
