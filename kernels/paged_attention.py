@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
     FLOAT_DTYPES,
     check_cache,
@@ -76,24 +77,10 @@ def _decode_partial_kernel(
     for tile_start in range(start, end, TILE):
         tok = tile_start + offs_t
         t_mask = tok < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
-        row = tok % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if not NATIVE_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, TILE] float32
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tok, t_mask, kv_head,
+                            offs_d, d_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            BLOCK_SIZE=BLOCK_SIZE, NATIVE_DOT=NATIVE_DOT)
+        m, l, acc = attend_tile(q, k, v, t_mask[None, :], m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
 
     part = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD] index into [S, H, P]
     tl.store(max_ptr + part, m, mask=g_mask)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
     FLOAT_DTYPES,
     check_cache,
@@ -95,27 +96,11 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n
         t_mask = tok < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
-        row = tok % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if not NATIVE_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [TILE_M, TILE_N]
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tok, t_mask, kv_head,
+                            offs_d, d_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            BLOCK_SIZE=BLOCK_SIZE, NATIVE_DOT=NATIVE_DOT)
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # Rows with nothing visible yet keep max = -inf; shift them by 0 so exp gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
 # Up to this many KV heads the decode path spreads queries block-diagonally (see _decode).
 _BLOCK_DIAGONAL_MAX_KV_HEADS = 8
 
@@ -36,16 +35,29 @@ class AttentionMetadata:
     store_all: bool  # no slot is -1
 
 
-class TorchPagedAttention:
-    """Reference paged attention in torch: K/V are read back from the paged cache."""
+class PagedAttentionBackend:
+    """What every backend shares: the head geometry, and where each sequence's queries start."""
 
-    name = "torch"
+    name = ""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    @staticmethod
+    def query_starts(query_lens: np.ndarray) -> np.ndarray:
+        """int32 [seqs + 1]: sequence i's query tokens are rows starts[i] .. starts[i+1] - 1."""
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        return starts
+
+
+class TorchPagedAttention(PagedAttentionBackend):
+    """Reference paged attention in torch: K/V are read back from the paged cache."""
+
+    name = "torch"
 
     def build_metadata(
         self,
@@ -57,8 +69,7 @@ class TorchPagedAttention:
         device: torch.device,
     ) -> AttentionMetadata:
         seq_lens = context_lens + query_lens
-        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=starts[1:])
+        starts = self.query_starts(query_lens)
         is_decode = query_lens == 1
         rows = np.flatnonzero(is_decode)
         width_d = int(-(-seq_lens[rows].max() // block_size)) if rows.size else 0

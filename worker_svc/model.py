@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_svc.attention import TorchPagedAttention
+from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
 from worker_svc.layers import Embedding, Linear, RMSNorm, SiluAndMul
 from worker_svc.rotary import RotaryEmbedding
 from worker_svc.triton_attention import TritonPagedAttention
 
 ATTENTION_BACKENDS = ("torch", "triton")
-Backend = TorchPagedAttention | TritonPagedAttention
+Backend = PagedAttentionBackend
 # Metadata of whichever backend built it; layers pass it through untouched.
 AttentionMetadata = Any
 

@@ -17,7 +17,12 @@ from common.plan import SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from worker_svc import kv_cache
 from worker_svc.kv_cache import KVCache
-from worker_svc.loader import load_model, resolve_attention_backend, resolve_device, resolve_dtype
+from worker_svc.loader import (
+    load_model,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from worker_svc.sampler import sample
 
 log = structlog.get_logger(__name__)
@@ -118,8 +123,7 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, np.ndarray]:
         """Hidden states of every fed token [tokens, hidden], and query start offsets [seqs + 1]."""
         n, q, c, bs = plan.num_seqs, plan.query_lens, plan.context_lens, self.block_size
-        starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q, out=starts[1:])
+        starts = self.model.attention.query_starts(q).astype(np.int64)
         # token t of sequence i sits at position c[i] + (t - starts[i])
         seq_of_token = np.repeat(np.arange(n), q)
         positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)

@@ -16,6 +16,7 @@ import torch
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
+from worker_svc.attention import PagedAttentionBackend
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,8 @@ class TritonAttentionMetadata:
     decode_only: bool  # every sequence feeds exactly one token
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PagedAttentionBackend):
     name = "triton"
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
 
     def build_metadata(
         self,
@@ -45,8 +40,7 @@ class TritonPagedAttention:
         block_size: int,
         device: torch.device,
     ) -> TritonAttentionMetadata:
-        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=starts[1:])
+        starts = self.query_starts(query_lens)
 
         def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
