@@ -67,7 +67,7 @@ class Engine:
         worker: WorkerClient,
         metrics: SchedulerMetrics | None = None,
         on_ready: Callable[[bool], Awaitable[None]] | None = None,
-        connect_timeout: float = 600.0,
+        connect_timeout: float = 30.0,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
@@ -120,7 +120,8 @@ class Engine:
             try:
                 info = await self.worker.connect(self._connect_timeout)
             except WorkerLost as error:
-                log.warning("worker_unreachable", address=self.worker.address, reason=str(error))
+                # Each attempt waits connect_timeout for the channel; then say so and try again.
+                log.warning("worker_unreachable", address=self.worker.address, reason=str(error), retrying=True)
                 await asyncio.sleep(1.0)
                 continue
             problem = self._incompatibility(info)
