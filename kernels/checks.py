@@ -78,6 +78,28 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int,
         fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
 
 
+def check_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[int, int]:
+    """Checks both attention kernels share; returns (num_heads, num_kv_heads).
+
+    q [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] of q's dtype
+    and device, kv_heads dividing heads; int32 block_tables [seqs, width] and seq_lens [seqs].
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    check_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    if k_cache.device != q.device:
+        fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
+    check_shape("seq_lens", seq_lens, (block_tables.shape[0],))
+    return num_heads, num_kv_heads
+
+
 def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The caller's output tensor (checked) or a new one shaped like `like`."""
     if out is None:

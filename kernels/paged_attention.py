@@ -24,11 +24,8 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
-    FLOAT_DTYPES,
-    check_cache,
     check_out,
-    check_shape,
-    check_tensor,
+    check_paged_attention,
     dot_precision,
     fail,
     native_dot,
@@ -144,17 +141,8 @@ def paged_decode_attention(
     block_tables[i] (int32 [num_seqs, max_blocks_per_seq]). `num_splits` overrides the split
     heuristic (tests use it to force empty splits).
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
-    check_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
-    if k_cache.device != q.device:
-        fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
-    check_shape("seq_lens", seq_lens, (num_seqs,))
+    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    num_seqs, _, head_dim = q.shape
     if block_tables.shape[0] != num_seqs:
         fail("block_tables", f"has {block_tables.shape[0]} rows for {num_seqs} sequences")
     out = check_out(out, q)

@@ -26,13 +26,11 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
-    FLOAT_DTYPES,
-    check_cache,
     check_out,
+    check_paged_attention,
     check_shape,
     check_tensor,
     dot_precision,
-    fail,
     native_dot,
     pow2,
 )
@@ -118,20 +116,11 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring)."""
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    total, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
-    check_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
-    if k_cache.device != q.device:
-        fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
+    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    total, _, head_dim = q.shape
     num_seqs = block_tables.shape[0]
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), device=q.device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
-    check_shape("seq_lens", seq_lens, (num_seqs,))
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
         return out
