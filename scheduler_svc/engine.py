@@ -77,7 +77,6 @@ class Engine:
         self._on_ready = on_ready
         self._connect_timeout = connect_timeout
         self.scheduler: Scheduler | None = None
-        self.worker_info: WorkerInfo | None = None
         self.limits = Limits.of(spec)
         self._inbox: _Inbox = []
         self._wake = asyncio.Event()
@@ -130,7 +129,6 @@ class Engine:
                 await self.worker.close()
                 await asyncio.sleep(5.0)
                 continue
-            self.worker_info = info
             self.limits = Limits(vocab_size=self.spec.vocab_size, max_model_len=min(self.spec.max_model_len, info.max_model_len))
             self._preemptions_reported = 0
             self.scheduler = Scheduler(

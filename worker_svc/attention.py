@@ -24,13 +24,11 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 8
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
     block_tables: torch.Tensor  # int32 [seqs, width]
-    seq_lens: torch.Tensor  # int32 [seqs] tokens in the cache after this step
-    query_start_loc: torch.Tensor  # int32 [seqs + 1]
-    # Torch path only: sequences that feed one token (decode), attended as one padded batch.
+    # Sequences that feed one token (decode), attended as one padded batch.
     decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
     decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
     decode_padding: torch.Tensor  # bool [decodes, 1, width_d * block_size], True past seq_len
-    # Torch path only: (first token, query length, context length, row) of every other sequence.
+    # (first token, query length, context length, row) of every other sequence.
     prefills: tuple[tuple[int, int, int, int], ...]
     store_all: bool  # no slot is -1
 
@@ -52,6 +50,11 @@ class PagedAttentionBackend:
         starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=starts[1:])
         return starts
+
+    @staticmethod
+    def to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A host array of the plan as a device tensor (copied without waiting for the device)."""
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
 
 
 class TorchPagedAttention(PagedAttentionBackend):
@@ -79,13 +82,11 @@ class TorchPagedAttention(PagedAttentionBackend):
         )
 
         def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+            return self.to_device(a, dtype, device)
 
         return AttentionMetadata(
             slot_mapping=t(slot_mapping, torch.int64),
             block_tables=t(block_tables, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            query_start_loc=t(starts, torch.int32),
             decode_token_idx=t(starts[rows], torch.int64),
             # padding (-1) becomes block 0: gathered, then masked out by decode_padding
             decode_block_tables=t(np.maximum(block_tables[rows, :width_d], 0), torch.int64),

@@ -43,7 +43,7 @@ class TritonPagedAttention(PagedAttentionBackend):
         starts = self.query_starts(query_lens)
 
         def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+            return self.to_device(a, dtype, device)
 
         return TritonAttentionMetadata(
             slot_mapping=t(slot_mapping, torch.int64),
