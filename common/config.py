@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -28,12 +29,18 @@ class CacheConfig:
     # gpu_memory_utilization of the device after the weights and a profiling forward pass.
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    # Host memory for the swap pool of preempted sequences (pinned on CUDA).
+    swap_space_gb: float = 4.0
+    # Overrides the swap pool size derived from swap_space_gb (tests use a few blocks).
+    num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _require(self.num_gpu_blocks is None or self.num_gpu_blocks > 0, "num_gpu_blocks must be positive")
         _require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb must be positive")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must lie in (0, 1]")
+        _require(self.swap_space_gb >= 0, "swap_space_gb must not be negative")
+        _require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative")
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,25 @@ class SchedulerConfig:
     # Fraction of the KV pool kept free when admitting new prompts, so running sequences can grow
     # a little before anything has to be preempted.
     watermark: float = 0.01
+    # Requests waiting for admission before new ones are refused with RESOURCE_EXHAUSTED.
+    max_queue_len: int = 1024
+    enable_prefix_caching: bool = True
+    # How a preempted group gives back its blocks: "auto" weighs the two costs below.
+    preemption_mode: str = "auto"
+    # Host <-> device copy bandwidth for swapping, GB/s (pinned PCIe 4.0 x16 reaches ~25).
+    swap_bandwidth_gbps: float = 16.0
+    # Prefill speed for recomputing a preempted sequence, tokens/s.
+    recompute_tokens_per_s: float = 8000.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(self.max_queue_len > 0, "max_queue_len must be positive")
+        _require(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}",
+        )
+        _require(self.swap_bandwidth_gbps > 0, "swap_bandwidth_gbps must be positive")
+        _require(self.recompute_tokens_per_s > 0, "recompute_tokens_per_s must be positive")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
 

@@ -36,6 +36,9 @@ class SamplingBatch:
     # Index of the output token sampled this step (0 for the first). With the seed it fixes
     # the randomness, so a recomputed or re-batched sequence draws the same token.
     output_position: I32
+    # How many most likely alternatives to return with the sampled token's log-probability
+    # (0 = none); beam search asks for 2 * beam_width.
+    num_logprobs: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @classmethod
     def empty(cls) -> SamplingBatch:
@@ -48,6 +51,10 @@ class SamplingBatch:
         )
 
 
+def no_block_ops() -> I32:
+    return np.zeros((0, 2), np.int32)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step_id: int
@@ -58,6 +65,13 @@ class StepPlan:
     block_tables: I32  # [num_seqs, width], padded with -1 past each sequence's blocks
     sample: U8  # [num_seqs] 1 where this step's last token yields a new sampled token
     sampling: SamplingBatch = field(default_factory=SamplingBatch.empty)
+    # Block operations the worker applies before the forward pass, in this order: swap_out
+    # (device -> host), swap_in (host -> device), copy (device -> device, copy-on-write).
+    # Each is int32 [k, 2] of (src, dst) block ids. The scheduler never swaps in and out in the
+    # same step, so a host block freed by a swap-in is never the target of a swap-out.
+    swap_out: I32 = field(default_factory=no_block_ops)
+    swap_in: I32 = field(default_factory=no_block_ops)
+    copy: I32 = field(default_factory=no_block_ops)
 
     @property
     def num_seqs(self) -> int:
@@ -82,6 +96,12 @@ class StepPlan:
         for name in ("temperature", "top_p", "top_k", "seed", "output_position"):
             if getattr(self.sampling, name).shape != (n,):
                 raise ValueError(f"plan.sampling.{name} must have one entry per sequence")
+        if self.sampling.num_logprobs.shape not in ((n,), (0,)):
+            raise ValueError("plan.sampling.num_logprobs must have one entry per sequence, or none")
+        for name in ("swap_out", "swap_in", "copy"):
+            ops = getattr(self, name)
+            if ops.ndim != 2 or ops.shape[1] != 2:
+                raise ValueError(f"plan.{name} has shape {ops.shape}, want (k, 2)")
 
 
 @dataclass(frozen=True)
@@ -90,3 +110,10 @@ class StepResult:
     # [num_seqs] the sampled token of each sequence, -1 where plan.sample is 0.
     sampled_token_ids: I32
     execute_seconds: float = 0.0
+    # [num_seqs] log-probability of the sampled token under the model's unmodified distribution
+    # (log_softmax of the raw logits); NaN where nothing was sampled. Empty when no row sampled.
+    logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
+    # [num_seqs, K] the K = max(num_logprobs) most likely tokens and their log-probabilities,
+    # best first; rows that asked for fewer are padded with -1 and -inf.
+    top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))

@@ -17,3 +17,4 @@ class WorkerInfo:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    block_bytes: int = 0  # K and V of every layer for one block

@@ -23,6 +23,7 @@ from worker_svc.loader import (
     resolve_device,
     resolve_dtype,
 )
+from worker_svc.logprobs import step_logprobs
 from worker_svc.sampler import sample
 
 log = structlog.get_logger(__name__)
@@ -43,13 +44,20 @@ class ModelRunner:
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
         num_blocks = self._kv_capacity()
-        self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,
             block_size=self.block_size,
             tokens=num_blocks * self.block_size,
             gib=round(self.kv.nbytes / kv_cache.GIB, 3),
+        )
+        log.info(
+            "swap_pool_allocated",
+            num_blocks=self.kv.num_cpu_blocks,
+            tokens=self.kv.num_cpu_blocks * self.block_size,
+            gib=round(self.kv.host_nbytes / kv_cache.GIB, 3),
+            pinned=self.kv.pinned,
         )
 
     def info(self, model_name: str) -> WorkerInfo:
@@ -63,7 +71,8 @@ class ModelRunner:
             world_size=1,
             block_size=self.block_size,
             num_gpu_blocks=self.kv.num_blocks,
-            num_cpu_blocks=0,
+            num_cpu_blocks=self.kv.num_cpu_blocks,
+            block_bytes=kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype),
         )
 
     # ---- capacity ----
@@ -77,6 +86,13 @@ class ModelRunner:
         else:
             budget = self._profile_cuda_budget()
         return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+
+    def _swap_capacity(self) -> int:
+        """Host blocks for preempted sequences; 0 turns swapping off."""
+        cache = self.config.cache
+        if cache.num_cpu_blocks is not None:
+            return cache.num_cpu_blocks
+        return kv_cache.blocks_in(cache.swap_space_gb * kv_cache.GIB, self.shape, self.block_size, self.dtype)
 
     def _profile_cuda_budget(self) -> float:
         """What is left of gpu_memory_utilization after weights and the peak of a full-size step."""
@@ -104,6 +120,7 @@ class ModelRunner:
             plan.validate()
         except ValueError as error:
             raise PlanError(str(error)) from error
+        self._check_block_ops(plan)
         if plan.num_seqs == 0:
             return
         bt, bs = plan.block_tables, self.block_size
@@ -119,6 +136,23 @@ class ModelRunner:
         ids = plan.input_ids
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
             raise PlanError(f"token id outside the vocabulary of {self.shape.vocab_size}")
+        asked = plan.sampling.num_logprobs
+        if asked.size and (int(asked.min()) < 0 or int(asked.max()) > self.shape.vocab_size):
+            raise PlanError(f"num_logprobs outside [0, {self.shape.vocab_size}]")
+
+    def _check_block_ops(self, plan: StepPlan) -> None:
+        """Every (src, dst) id inside its pool, and no block written twice (the result would
+        depend on the order of the scatter)."""
+        device, host = ("device", self.kv.num_blocks), ("host", self.kv.num_cpu_blocks)
+        for name, pools in (("swap_out", (device, host)), ("swap_in", (host, device)), ("copy", (device, device))):
+            ops = getattr(plan, name)
+            if not len(ops):
+                continue
+            for column, role, (pool, size) in zip(ops.T, ("source", "destination"), pools):
+                if int(column.min()) < 0 or int(column.max()) >= size:
+                    raise PlanError(f"{name} {role} block outside the {pool} pool of {size} blocks")
+            if np.unique(ops[:, 1]).size != len(ops):
+                raise PlanError(f"{name} writes a {pools[1][0]} block twice")
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, np.ndarray]:
         """Hidden states of every fed token [tokens, hidden], and query start offsets [seqs + 1]."""
@@ -144,26 +178,28 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.check(plan)
+        # The plan's order (common.plan.StepPlan): copies come last because their source may
+        # be a block swapped in this step.
+        self.kv.swap_out(plan.swap_out)
+        self.kv.swap_in(plan.swap_in)
+        self.kv.copy(plan.copy)
         sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
-        rows = np.flatnonzero(plan.sample)
         if plan.num_seqs == 0:
             return StepResult(plan.step_id, sampled, time.perf_counter() - start)
         hidden, starts = self._forward(plan)
-        if rows.size:
-            dev = self.device
-            last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, last))  # [sampled, vocab]
-            s = plan.sampling
+        rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
+        dev = self.device
+        last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
+        logits = self.model.compute_logits(hidden.index_select(0, last))  # [len(rows), vocab]
+        s = plan.sampling
 
-            def pick(a: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a[rows])).to(dev)
+        def pick(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a[rows])).to(dev)
 
-            tokens = sample(
-                logits, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position)
-            )
-            sampled[rows] = tokens.cpu().numpy()
-        return StepResult(plan.step_id, sampled, time.perf_counter() - start)
-
+        tokens = sample(logits, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position))
+        sampled[rows] = tokens.cpu().numpy()
+        logprobs, top_ids, top_lps = step_logprobs(logits, tokens, rows, s.num_logprobs, plan.num_seqs)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps)
 
 def _profile_plan(tokens: int, blocks: int, vocab_size: int) -> StepPlan:
     """One sequence of `tokens` random tokens, sampled at the end: the largest step we plan."""

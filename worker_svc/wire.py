@@ -31,8 +31,21 @@ def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
             top_k=unpack(s.top_k, np.int32, "sampling.top_k", n),
             seed=unpack(s.seed, np.int64, "sampling.seed", n),
             output_position=unpack(s.output_position, np.int32, "sampling.output_position", n),
+            # Empty means 0 for every sequence: a scheduler that never asks sends nothing.
+            num_logprobs=unpack(s.num_logprobs, np.int32, "sampling.num_logprobs", n if s.num_logprobs else 0),
         ),
+        swap_out=_pairs(msg.swap_out, "swap_out"),
+        swap_in=_pairs(msg.swap_in, "swap_in"),
+        copy=_pairs(msg.copy, "copy"),
     )
+
+
+def _pairs(data: bytes, field: str) -> np.ndarray:
+    """int32 [k, 2] (src, dst) block pairs."""
+    flat = unpack(data, np.int32, field)
+    if flat.shape[0] % 2:
+        raise ValueError(f"{field}: {flat.shape[0]} values is not a whole number of (src, dst) pairs")
+    return flat.reshape(-1, 2)
 
 
 def step_result(result: StepResult) -> worker_pb.StepResult:
@@ -40,6 +53,10 @@ def step_result(result: StepResult) -> worker_pb.StepResult:
         step_id=result.step_id,
         sampled_token_ids=pack(result.sampled_token_ids, np.int32),
         execute_seconds=result.execute_seconds,
+        logprobs=pack(result.logprobs, np.float32),
+        top_token_ids=pack(result.top_token_ids, np.int32),
+        top_logprobs=pack(result.top_logprobs, np.float32),
+        top_width=result.top_token_ids.shape[1],
     )
 
 
@@ -55,4 +72,5 @@ def worker_info(info: WorkerInfo) -> worker_pb.WorkerInfo:
         block_size=info.block_size,
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
+        block_bytes=info.block_bytes,
     )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmserve/v1/worker.proto\x12\x0bllmserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xd0\x01\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\t \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\n \x01(\r\"i\n\rSamplingBatch\x12\x13\n\x0btemperature\x18\x01 \x01(\x0c\x12\r\n\x05top_p\x18\x02 \x01(\x0c\x12\r\n\x05top_k\x18\x03 \x01(\x0c\x12\x0c\n\x04seed\x18\x04 \x01(\x0c\x12\x17\n\x0foutput_position\x18\x05 \x01(\x0c\"\xd8\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x01(\x0c\x12\x12\n\nquery_lens\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontext_lens\x18\x04 \x01(\x0c\x12\x11\n\tinput_ids\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_tables\x18\x06 \x01(\x0c\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\x0c\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.llmserve.v1.SamplingBatch\"Q\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x32\x8a\x01\n\x06Worker\x12\x41\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x17.llmserve.v1.WorkerInfo\x12=\n\x07\x45xecute\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepResult(\x01\x30\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmserve/v1/worker.proto\x12\x0bllmserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xe5\x01\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\t \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\n \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\"\x7f\n\rSamplingBatch\x12\x13\n\x0btemperature\x18\x01 \x01(\x0c\x12\r\n\x05top_p\x18\x02 \x01(\x0c\x12\r\n\x05top_k\x18\x03 \x01(\x0c\x12\x0c\n\x04seed\x18\x04 \x01(\x0c\x12\x17\n\x0foutput_position\x18\x05 \x01(\x0c\x12\x14\n\x0cnum_logprobs\x18\x06 \x01(\x0c\"\x89\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x01(\x0c\x12\x12\n\nquery_lens\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontext_lens\x18\x04 \x01(\x0c\x12\x11\n\tinput_ids\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_tables\x18\x06 \x01(\x0c\x12\x19\n\x11\x62lock_table_width\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\x0c\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.llmserve.v1.SamplingBatch\x12\x10\n\x08swap_out\x18\n \x01(\x0c\x12\x0f\n\x07swap_in\x18\x0b \x01(\x0c\x12\x0c\n\x04\x63opy\x18\x0c \x01(\x0c\"\xa3\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x05 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x0c\x12\x11\n\ttop_width\x18\x07 \x01(\r2\x8a\x01\n\x06Worker\x12\x41\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x17.llmserve.v1.WorkerInfo\x12=\n\x07\x45xecute\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepResult(\x01\x30\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=41
   _globals['_DESCRIBEREQUEST']._serialized_end=58
   _globals['_WORKERINFO']._serialized_start=61
-  _globals['_WORKERINFO']._serialized_end=269
-  _globals['_SAMPLINGBATCH']._serialized_start=271
-  _globals['_SAMPLINGBATCH']._serialized_end=376
-  _globals['_STEPPLAN']._serialized_start=379
-  _globals['_STEPPLAN']._serialized_end=595
-  _globals['_STEPRESULT']._serialized_start=597
-  _globals['_STEPRESULT']._serialized_end=678
-  _globals['_WORKER']._serialized_start=681
-  _globals['_WORKER']._serialized_end=819
+  _globals['_WORKERINFO']._serialized_end=290
+  _globals['_SAMPLINGBATCH']._serialized_start=292
+  _globals['_SAMPLINGBATCH']._serialized_end=419
+  _globals['_STEPPLAN']._serialized_start=422
+  _globals['_STEPPLAN']._serialized_end=687
+  _globals['_STEPRESULT']._serialized_start=690
+  _globals['_STEPRESULT']._serialized_end=853
+  _globals['_WORKER']._serialized_start=856
+  _globals['_WORKER']._serialized_end=994
 # @@protoc_insertion_point(module_scope)

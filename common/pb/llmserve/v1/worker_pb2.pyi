@@ -10,7 +10,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks", "block_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -31,24 +32,27 @@ class WorkerInfo(_message.Message):
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    block_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingBatch(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: bytes
     top_p: bytes
     top_k: bytes
     seed: bytes
     output_position: bytes
-    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ...) -> None: ...
+    num_logprobs: bytes
+    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling")
+    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling", "swap_out", "swap_in", "copy")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +62,9 @@ class StepPlan(_message.Message):
     BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     query_lens: bytes
@@ -67,14 +74,25 @@ class StepPlan(_message.Message):
     block_table_width: int
     sample: bytes
     sampling: SamplingBatch
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ...) -> None: ...
+    swap_out: bytes
+    swap_in: bytes
+    copy: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds")
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     execute_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: bytes
+    top_token_ids: bytes
+    top_logprobs: bytes
+    top_width: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,44 @@
+"""Log-probabilities returned with the sampled tokens.
+
+They come from the model's unmodified distribution, log_softmax of the raw float32 logits,
+never from the temperature- or top-p-shaped one the token was drawn from: a client (or the
+scheduler's beam search) compares them across requests with different sampling parameters.
+
+Result layout for a plan of n sequences, of which `rows` sampled, asking for `num_logprobs`:
+
+    logprobs       [n]      the sampled token's log-probability; NaN where nothing was sampled
+    top_token_ids  [n, K]   K = max(num_logprobs[rows]); the row's best tokens, best first,
+    top_logprobs   [n, K]   padded with -1 / -inf past the row's own num_logprobs
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.plan import F32, I32
+
+
+def step_logprobs(
+    logits: torch.Tensor,  # float32 [len(rows), vocab], raw
+    tokens: torch.Tensor,  # int64 [len(rows)] the sampled tokens
+    rows: np.ndarray,  # [len(rows)] which of the plan's sequences sampled
+    num_logprobs: I32,  # [n] or empty (0 for every sequence)
+    num_seqs: int,
+) -> tuple[F32, I32, F32]:
+    """(logprobs, top_token_ids, top_logprobs) of the whole plan, as numpy arrays."""
+    chosen = np.full(num_seqs, np.nan, np.float32)
+    asked = num_logprobs[rows] if num_logprobs.size else np.zeros(len(rows), np.int32)
+    width = int(asked.max()) if asked.size else 0
+    top_ids = np.full((num_seqs, width), -1, np.int32)
+    top_lps = np.full((num_seqs, width), -np.inf, np.float32)
+    if not len(rows):
+        return chosen, top_ids, top_lps
+    lps = torch.log_softmax(logits.float(), dim=-1)  # [len(rows), vocab]
+    chosen[rows] = lps.gather(1, tokens.view(-1, 1)).squeeze(1).cpu().numpy()
+    if width:
+        values, ids = lps.topk(width, dim=-1)  # [len(rows), width], sorted best first
+        keep = np.arange(width)[None, :] < asked[:, None]  # a row's own num_logprobs
+        top_ids[rows] = np.where(keep, ids.cpu().numpy(), -1)
+        top_lps[rows] = np.where(keep, values.cpu().numpy(), -np.inf)
+    return chosen, top_ids, top_lps
