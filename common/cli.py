@@ -26,6 +26,7 @@ from common import log as logsetup
 from common.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    PREEMPTION_MODES,
     CacheConfig,
     SchedulerConfig,
     ServerConfig,
@@ -53,6 +54,23 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)"
     )
+    p.add_argument(
+        "--max-queue-len", type=int, default=1024,
+        help="waiting requests before new ones get RESOURCE_EXHAUSTED (default 1024)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of earlier prompts")
+    p.add_argument(
+        "--preemption-mode", choices=PREEMPTION_MODES, default="auto",
+        help="how preempted requests give back KV blocks; auto = the cheaper of swap and recompute",
+    )
+    p.add_argument(
+        "--swap-bandwidth-gbps", type=float, default=16.0,
+        help="host<->device copy bandwidth the swap cost assumes, GB/s (default 16)",
+    )
+    p.add_argument(
+        "--recompute-tokens-per-s", type=float, default=8000.0,
+        help="prefill speed the recompute cost assumes, tokens/s (default 8000)",
+    )
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -61,6 +79,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="memory the KV pool may take (CPU default 2)")
+    p.add_argument(
+        "--swap-space-gb", type=float, default=4.0,
+        help="pinned host memory that holds preempted sequences' KV blocks (default 4; 0 = no swapping)",
+    )
+    p.add_argument("--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)")
     p.add_argument(
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
         help="auto = triton on CUDA, torch on CPU",
@@ -149,7 +172,15 @@ async def _serve(server: _Service, stop: asyncio.Event) -> None:
 
 
 def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    return SchedulerConfig(
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_queue_len=a.max_queue_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+        preemption_mode=a.preemption_mode,
+        swap_bandwidth_gbps=a.swap_bandwidth_gbps,
+        recompute_tokens_per_s=a.recompute_tokens_per_s,
+    )
 
 
 def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
@@ -157,7 +188,10 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         model=model,
         dtype=a.dtype,
         device=a.device,
-        cache=CacheConfig(block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb),
+        cache=CacheConfig(
+            block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb,
+            swap_space_gb=a.swap_space_gb, num_cpu_blocks=a.num_cpu_blocks,
+        ),
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
     )
@@ -208,7 +242,9 @@ def cmd_up(a: argparse.Namespace) -> None:
         worker_cmd += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
     if a.kv_cache_gb is not None:
         worker_cmd += ["--kv-cache-gb", str(a.kv_cache_gb)]
-
+    worker_cmd += ["--swap-space-gb", str(a.swap_space_gb)]
+    if a.num_cpu_blocks is not None:
+        worker_cmd += ["--num-cpu-blocks", str(a.num_cpu_blocks)]
 
     async def body(stop: asyncio.Event) -> None:
         worker = Supervised(worker_cmd)

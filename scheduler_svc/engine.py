@@ -19,7 +19,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -39,23 +38,17 @@ from scheduler_svc.request import (
     sampling_params,
     stopping_params,
 )
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler, TokenEvent
-from scheduler_svc.sequence import FinishReason, Sequence
-from scheduler_svc.text_stream import TextStream
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
 
 log = structlog.get_logger(__name__)
 
-# Inbox items: a new sequence to add, or the stream of a request to abort.
-_Inbox = list["Sequence | _Stream"]
-
-
-@dataclass(eq=False)
-class _Stream:
-    seq: Sequence
-    text: TextStream
-    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+# Inbox items: a new group to add, or the stream of a request to abort.
+_Inbox = list["SequenceGroup | RequestStream"]
 
 
 class Engine:
@@ -80,11 +73,12 @@ class Engine:
         self.limits = Limits.of(spec)
         self._inbox: _Inbox = []
         self._wake = asyncio.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._seq_ids = itertools.count()
+        self._streams: dict[str, RequestStream] = {}
+        self._arrivals = itertools.count()
+        self._block_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._stats = EngineStats()
-        self._preemptions_reported = 0
+        self._reported = (0, 0, 0)
         self._draining = False
 
     @property
@@ -130,12 +124,19 @@ class Engine:
                 await asyncio.sleep(5.0)
                 continue
             self.limits = Limits(vocab_size=self.spec.vocab_size, max_model_len=min(self.spec.max_model_len, info.max_model_len))
-            self._preemptions_reported = 0
+            self._reported = (0, 0, 0)
+            self._block_bytes = info.block_bytes
             self.scheduler = Scheduler(
                 self.config,
-                BlockManager(info.num_gpu_blocks, info.block_size),
+                BlockManager(
+                    info.num_gpu_blocks,
+                    info.block_size,
+                    num_cpu_blocks=info.num_cpu_blocks,
+                    enable_prefix_caching=self.config.enable_prefix_caching,
+                ),
                 max_model_len=self.limits.max_model_len,
                 eos_token_ids=self.spec.eos_token_ids,
+                block_bytes=info.block_bytes,
             )
             log.info(
                 "worker_ready",
@@ -143,6 +144,7 @@ class Engine:
                 device=info.device,
                 dtype=info.dtype,
                 num_gpu_blocks=info.num_gpu_blocks,
+                num_cpu_blocks=info.num_cpu_blocks,
                 block_size=info.block_size,
                 max_model_len=self.limits.max_model_len,
             )
@@ -163,8 +165,8 @@ class Engine:
         """End every request: ABORTED for those that streamed tokens, UNAVAILABLE for the rest."""
         await self._set_ready(False)
         self._fail_all(
-            lambda s: Aborted(f"{what} after {s.seq.num_output_tokens} tokens were streamed")
-            if s.seq.num_output_tokens
+            lambda s: Aborted(f"{what} after {s.num_output_tokens} tokens were streamed")
+            if s.num_output_tokens
             else Unavailable(f"{what}; retry the request")
         )
 
@@ -183,9 +185,9 @@ class Engine:
         if self._on_ready is not None:
             await self._on_ready(ready)
 
-    def _fail_all(self, error_for: Callable[[_Stream], Exception]) -> None:
+    def _fail_all(self, error_for: Callable[[RequestStream], Exception]) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(error_for(stream))
+            stream.fail(error_for(stream))
         self._streams.clear()
         self._inbox.clear()
         if self.scheduler is not None:
@@ -196,26 +198,23 @@ class Engine:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Validate, queue, and stream the outputs of one request."""
         stream = self._admit(req)
-        request_id = stream.seq.request_id
         # Every log line of this handler's task carries the request id from here on.
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         done = False
         try:
             while True:
                 item = await stream.queue.get()
-                if isinstance(item, Exception):
+                if item is None or isinstance(item, Exception):
                     done = True
+                    if item is None:
+                        return
                     raise item
-                if item.finish_reason is not None:
-                    done = True
                 yield item
-                if done:
-                    return
         finally:
             if not done:
                 self._abort(stream)
 
-    def _admit(self, req: GenerationRequest) -> _Stream:
+    def _admit(self, req: GenerationRequest) -> RequestStream:
         scheduler = self.scheduler
         if self._draining:
             raise Unavailable("the server is shutting down")
@@ -224,35 +223,54 @@ class Engine:
         check_fields(req, self.limits)
         tokens = list(req.prompt_token_ids) or self.tokenizer.encode(req.prompt)
         check_length(len(tokens), req.max_tokens, self.limits)
-        total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
-        if not scheduler.can_ever_fit(total):
-            raise ResourceExhausted(
-                f"the request needs KV space for {total} tokens, more than the whole cache holds "
-                f"({scheduler.block_manager.num_blocks} blocks of {scheduler.block_manager.block_size}); "
-                f"lower stopping.max_tokens or the prompt length"
-            )
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        seq_id = next(self._seq_ids)
+        sampling = sampling_params(req, seed, self.limits)
+        total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
+        width = max(sampling.best_of, sampling.beam_width)
+        if not scheduler.can_ever_fit(len(tokens), total, width):
+            bm = scheduler.block_manager
+            need = scheduler.blocks_for_group(len(tokens), total, width)
+            raise ResourceExhausted(
+                f"the request needs {need} KV blocks ({width} x up to {total} tokens), more than the whole "
+                f"cache holds ({bm.num_blocks} blocks of {bm.block_size}); lower stopping.max_tokens, "
+                f"the prompt length, n, best_of or beam_width"
+            )
+        queued = scheduler.num_waiting + sum(isinstance(i, SequenceGroup) for i in self._inbox)
+        if queued >= self.config.max_queue_len:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({queued} requests, --max-queue-len {self.config.max_queue_len}); retry later"
+            )
+        arrival = next(self._arrivals)
         seq = Sequence(
-            seq_id=seq_id,
+            seq_id=scheduler.new_seq_id(),
             request_id=request_id,
             prompt_token_ids=tokens,
-            sampling=sampling_params(req, seed, self.limits),
+            sampling=sampling,
             stopping=stopping_params(req),
-            arrival=seq_id,
+            arrival=arrival,
         )
-        stream = _Stream(seq, TextStream(self.tokenizer, tokens, tuple(req.stop)))
+        group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
+        stream = RequestStream(group, self.tokenizer, tuple(req.stop), self._block_bytes)
         self._streams[request_id] = stream
-        self._inbox.append(seq)
+        self._inbox.append(group)
         self._wake.set()
         self.metrics.prompt_tokens.inc(len(tokens))
-        log.info("request_admitted", request_id=request_id, prompt_tokens=len(tokens), max_tokens=req.max_tokens)
+        log.info(
+            "request_admitted",
+            request_id=request_id,
+            prompt_tokens=len(tokens),
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+            n=sampling.n,
+            best_of=sampling.best_of,
+            beam_width=sampling.beam_width,
+        )
         return stream
 
-    def _abort(self, stream: _Stream) -> None:
+    def _abort(self, stream: RequestStream) -> None:
         """Abort a request (client cancel or deadline); its blocks are freed at the next step.
 
         The stream object, not the request id, names the request: a late abort must not hit a
@@ -266,14 +284,14 @@ class Engine:
     def _apply_inbox(self, scheduler: Scheduler) -> None:
         inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if isinstance(item, Sequence):
+            if isinstance(item, SequenceGroup):
                 stream = self._streams.get(item.request_id)
-                if stream is not None and stream.seq is item:
+                if stream is not None and stream.group is item:
                     scheduler.add(item)
-            elif self._streams.get(item.seq.request_id) is item:
-                del self._streams[item.seq.request_id]
-                scheduler.abort(item.seq.seq_id)
-                log.info("request_aborted", request_id=item.seq.request_id, completion_tokens=item.seq.num_output_tokens)
+            elif self._streams.get(item.request_id) is item:
+                del self._streams[item.request_id]
+                scheduler.abort(item.group.group_id)
+                log.info("request_aborted", request_id=item.request_id, completion_tokens=item.num_output_tokens)
 
     async def _loop(self, scheduler: Scheduler) -> None:
         while True:
@@ -292,56 +310,48 @@ class Engine:
 
     def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
         for event in events:
-            seq = event.seq
-            stream = self._streams.get(seq.request_id)
-            if stream is None:
+            stream = self._streams.get(event.seq.request_id)
+            if stream is None or stream.group is not event.seq.group:
                 continue
-            reason = event.finish_reason
-            # A stop token ends the text: it is returned in token_ids, never shown.
-            text = "" if reason is FinishReason.STOP else stream.text.push(event.token_id)
-            if stream.text.matched_stop is not None:
-                # Also when this token reached max_tokens: the stop string is why the text ends.
-                if reason is None:
-                    scheduler.finish(seq.seq_id, FinishReason.STOP_SEQUENCE)
-                reason = FinishReason.STOP_SEQUENCE
-            elif reason is not None:
-                text += stream.text.flush()
-            stream.queue.put_nowait(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    token_ids=[event.token_id],
-                    text=text,
-                    finish_reason=reason,
-                    prompt_tokens=seq.num_prompt_tokens,
-                    completion_tokens=seq.num_output_tokens,
-                )
-            )
-            if reason is not None:
-                del self._streams[seq.request_id]
+            ended = stream.on_token(event, scheduler) if event.token_id >= 0 else event.group_finished
+            if ended:
+                stream.finish()
+                del self._streams[stream.request_id]
+                stats = stream.stats()
                 log.info(
                     "request_finished",
-                    request_id=seq.request_id,
-                    finish_reason=reason.value,
-                    prompt_tokens=seq.num_prompt_tokens,
-                    completion_tokens=seq.num_output_tokens,
-                    preemptions=seq.num_preemptions,
+                    request_id=stream.request_id,
+                    finish_reasons=[s.finish_reason.value for s in stream.group.seqs if s.finish_reason],
+                    prompt_tokens=event.seq.num_prompt_tokens,
+                    completion_tokens=stream.num_output_tokens,
+                    prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+                    preemptions=stats.num_preemptions,
+                    swaps=stats.num_swaps,
+                    swapped_bytes=stats.swapped_bytes,
                 )
 
     def _publish_gauges(self, scheduler: Scheduler) -> None:
         m = self.metrics
         m.running.set(scheduler.num_running)
         m.waiting.set(scheduler.num_waiting)
+        m.swapped.set(scheduler.num_swapped)
         bm = scheduler.block_manager
         m.kv_usage.set(bm.num_used_blocks / bm.num_blocks)
+        m.cpu_usage.set(bm.cpu.num_used / bm.cpu.num_blocks if bm.cpu.num_blocks else 0.0)
 
     def _record(self, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
         m = self.metrics
         m.plan_bytes.observe(timing.plan_bytes)
         m.roundtrip.observe(timing.roundtrip_seconds)
         m.generation_tokens.inc(num_sampled)
-        if self.scheduler is not None and self.scheduler.num_preemptions > self._preemptions_reported:
-            m.preemptions.inc(self.scheduler.num_preemptions - self._preemptions_reported)
-            self._preemptions_reported = self.scheduler.num_preemptions
+        sched = self.scheduler
+        if sched is not None:
+            # The scheduler keeps plain counters (it is pure); publish what moved since last step.
+            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens)
+            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits), now, self._reported):
+                if new > old:
+                    counter.inc(new - old)
+            self._reported = now
         log.debug(
             "step",
             step_id=step_id,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, Unimplemented
 from common.model_spec import ModelSpec
 from scheduler_svc.sequence import FinishReason, SamplingParams, StoppingParams
 
@@ -30,11 +30,26 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 0  # 0 = 1
+    best_of: int = 0  # 0 = n
+    beam_width: int = 0  # 0 or 1 = no beam search
+    length_penalty: float | None = None
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """How a request was served, reported with its final messages."""
+
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    swapped_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One streamed piece of a generation."""
+    """One streamed piece of a generation (of output `index`)."""
 
     request_id: str
     token_ids: list[int]
@@ -42,6 +57,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    index: int = 0
+    cumulative_logprob: float = 0.0
+    stats: RequestStats | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,7 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_stop_strings: int = 16
+    max_n: int = 16  # most outputs, candidates (best_of) or beams of one request
 
     @classmethod
     def of(cls, spec: ModelSpec) -> Limits:
@@ -82,6 +101,27 @@ def check_fields(req: GenerationRequest, limits: Limits) -> None:
     for i, stop in enumerate(req.stop):
         if not stop:
             raise InvalidArgument(f"stopping.stop[{i}]", "empty stop string")
+    _check_width(req, limits)
+
+
+def _check_width(req: GenerationRequest, limits: Limits) -> None:
+    n = req.n or 1
+    for name, value in (("sampling.n", n), ("sampling.best_of", req.best_of), ("sampling.beam_width", req.beam_width)):
+        if value > limits.max_n:
+            raise InvalidArgument(name, f"at most {limits.max_n}, got {value}")
+    if req.best_of and req.best_of < n:
+        raise InvalidArgument("sampling.best_of", f"must be >= n ({n}), got {req.best_of}")
+    if req.length_penalty is not None and not math.isfinite(req.length_penalty):
+        raise InvalidArgument("sampling.length_penalty", f"must be finite, got {req.length_penalty}")
+    if req.beam_width > 1:
+        if req.best_of > 1:
+            raise InvalidArgument("sampling.best_of", "set either best_of or beam_width, not both")
+        if n > req.beam_width:
+            raise InvalidArgument("sampling.n", f"must be <= beam_width ({req.beam_width}), got {n}")
+        if req.temperature > 0:
+            raise InvalidArgument("sampling.temperature", "beam search is deterministic: set temperature to 0")
+        if req.stop:
+            raise Unimplemented("stopping.stop: stop strings with beam search are not supported yet")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
@@ -112,6 +152,11 @@ def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> Sampli
         # top_k beyond the vocabulary keeps everything; clamping keeps it inside int32 too.
         top_k=min(int(req.top_k), limits.vocab_size),
         seed=seed,
+        n=req.n or 1,
+        # Beams are chosen by the search, never sampled: no best_of fork for them.
+        best_of=1 if req.beam_width > 1 else req.best_of or req.n or 1,
+        beam_width=max(req.beam_width, 1),
+        length_penalty=1.0 if req.length_penalty is None else float(req.length_penalty),
     )
 
 

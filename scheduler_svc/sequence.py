@@ -1,14 +1,23 @@
-"""A sequence: one request's tokens and how far the KV cache has caught up with them.
+"""A sequence: one sample's tokens and how far the KV cache has caught up with them.
 
 Following vLLM v1, there is no prefill or decode phase: a sequence has `num_tokens` (prompt +
 output) and `num_computed_tokens` (already in the KV cache); each step feeds some of the
-difference. A prompt chunk, a recompute after preemption and a decode are the same thing.
+difference. A prompt chunk, a prefix-cache hit, a recompute after preemption and a decode are
+the same thing. A request owns one or more sequences (a `SequenceGroup`): n samples, best_of
+candidates or beams of one prompt.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_svc.sequence_group import SequenceGroup
+
+_U64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 class FinishReason(enum.Enum):
@@ -16,12 +25,13 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos or a stop token id
     STOP_SEQUENCE = "stop_sequence"  # a stop string appeared in the text
     CONTEXT_LENGTH = "context_length"  # max_model_len reached
-    ABORTED = "aborted"  # cancelled by the client or failed
+    ABORTED = "aborted"  # cancelled by the client, failed, or a beam that lost
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -31,6 +41,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0  # always set: the engine draws one for unseeded requests
+    n: int = 1  # outputs returned
+    best_of: int = 1  # candidates generated (>= n); the n with the best cumulative logprob return
+    beam_width: int = 1  # > 1: beam search instead of sampling
+    length_penalty: float = 1.0  # beam score = cumulative logprob / generated_len ** length_penalty
+
+    def sample_seed(self, index: int) -> int:
+        """Seed of the index-th sample: distinct per sample, fixed by the request's seed."""
+        return (self.seed + index * _GOLDEN) & _U64
 
 
 @dataclass(frozen=True)
@@ -48,17 +66,23 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stopping: StoppingParams
-    # Order of arrival; preemption picks the latest arrival as the victim.
+    # Order of arrival of the request; with the priority it fixes the place in line.
     arrival: int
+    index: int = 0  # which output of its request this is
+    seed: int | None = None  # None: the request's seed
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    group: SequenceGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.seed is None:
+            self.seed = self.sampling.seed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,3 +103,21 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
+        """A copy that continues on its own from the same tokens and cache state."""
+        return Sequence(
+            seq_id=seq_id,
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            stopping=self.stopping,
+            arrival=self.arrival,
+            index=index,
+            seed=seed,
+            token_ids=list(self.token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            cumulative_logprob=self.cumulative_logprob,
+            group=self.group,
+        )

@@ -34,6 +34,11 @@ def generation_request(msg: gen_pb.GenerateRequest) -> GenerationRequest:
         stop=tuple(msg.stopping.stop),
         stop_token_ids=tuple(msg.stopping.stop_token_ids),
         ignore_eos=msg.stopping.ignore_eos,
+        n=msg.sampling.n,
+        best_of=msg.sampling.best_of,
+        beam_width=msg.sampling.beam_width,
+        length_penalty=msg.sampling.length_penalty if msg.sampling.HasField("length_penalty") else None,
+        priority=msg.priority,
     )
 
 
@@ -45,6 +50,14 @@ def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
         finish_reason=_FINISH[out.finish_reason],
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
+        index=out.index,
+        cumulative_logprob=out.cumulative_logprob,
+        stats=None if out.stats is None else gen_pb.RequestStats(
+            prefix_cache_hit_tokens=out.stats.prefix_cache_hit_tokens,
+            num_preemptions=out.stats.num_preemptions,
+            num_swaps=out.stats.num_swaps,
+            swapped_bytes=out.stats.swapped_bytes,
+        ),
     )
 
 
@@ -65,15 +78,24 @@ def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
             top_k=pack(s.top_k, np.int32),
             seed=pack(s.seed, np.int64),
             output_position=pack(s.output_position, np.int32),
+            num_logprobs=pack(s.num_logprobs, np.int32),
         ),
+        swap_out=pack(plan.swap_out, np.int32),
+        swap_in=pack(plan.swap_in, np.int32),
+        copy=pack(plan.copy, np.int32),
     )
 
 
 def step_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
+    width = msg.top_width
     return StepResult(
         step_id=msg.step_id,
         sampled_token_ids=unpack(msg.sampled_token_ids, np.int32, "sampled_token_ids", num_seqs),
         execute_seconds=msg.execute_seconds,
+        # Empty when no sequence sampled.
+        logprobs=unpack(msg.logprobs, np.float32, "logprobs", num_seqs if msg.logprobs else 0),
+        top_token_ids=unpack(msg.top_token_ids, np.int32, "top_token_ids", num_seqs * width).reshape(num_seqs, width),
+        top_logprobs=unpack(msg.top_logprobs, np.float32, "top_logprobs", num_seqs * width).reshape(num_seqs, width),
     )
 
 
@@ -93,4 +115,5 @@ def worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
         block_size=msg.block_size,
         num_gpu_blocks=msg.num_gpu_blocks,
         num_cpu_blocks=msg.num_cpu_blocks,
+        block_bytes=msg.block_bytes,
     )

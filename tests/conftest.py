@@ -147,8 +147,9 @@ class Scheduler:
         deadline = time.monotonic() + timeout
         while True:
             sched = self.engine.scheduler
-            if sched is None or (not sched.has_work and not self.engine._inbox
-                                 and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks):
+            bm = None if sched is None else sched.block_manager
+            if bm is None or (not sched.has_work and not self.engine._inbox
+                              and bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks):
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(
@@ -193,7 +194,8 @@ async def tiny_scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> As
 
 
 def request(prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8, **stopping_and_sampling: object) -> pb.GenerateRequest:
-    sampling_keys = {"temperature", "top_p", "top_k", "seed"}
+    sampling_keys = {"temperature", "top_p", "top_k", "seed", "n", "best_of", "beam_width", "length_penalty"}
+    priority = int(stopping_and_sampling.pop("priority", 0))  # type: ignore[call-overload]
     sampling = {k: v for k, v in stopping_and_sampling.items() if k in sampling_keys}
     stopping = {k: v for k, v in stopping_and_sampling.items() if k not in sampling_keys}
     return pb.GenerateRequest(
@@ -201,6 +203,7 @@ def request(prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8,
         prompt_token_ids=ids or [],
         sampling=pb.SamplingParams(**sampling),  # type: ignore[arg-type]
         stopping=pb.StoppingCriteria(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
+        priority=priority,
     )
 
 

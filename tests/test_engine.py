@@ -132,12 +132,12 @@ async def test_a_late_abort_does_not_hit_a_new_request_with_the_same_id(spec: Mo
 
 def _stale_stream(engine: Engine, outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
     """A finished request's stream object, as a cancelled handler would still hold it."""
-    from scheduler_svc.engine import _Stream
+    from scheduler_svc.request_stream import RequestStream
     from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
-    from scheduler_svc.text_stream import TextStream
+    from scheduler_svc.sequence_group import SequenceGroup
 
     seq = Sequence(10**6, "x", [1, 2], SamplingParams(), StoppingParams(max_tokens=3), arrival=10**6)
-    return _Stream(seq, TextStream(engine.tokenizer, [1, 2]))
+    return RequestStream(SequenceGroup("x", [seq], seq.sampling, 10**6), engine.tokenizer, (), 0)
 
 
 async def test_huge_top_k_and_tiny_temperature_are_safe(spec: ModelSpec, tokenizer: Tokenizer) -> None:

@@ -15,6 +15,7 @@ from common.plan import StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sequence_group import SequenceGroup
 
 EOS = 2
 
@@ -29,8 +30,17 @@ def fake_execute(plan: StepPlan) -> StepResult:
     return StepResult(plan.step_id, tokens)
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 1024, **cfg: float) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size), max_model_len, frozenset({EOS}))  # type: ignore[arg-type]
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 1024,
+    num_cpu_blocks: int = 0,
+    prefix_caching: bool = True,
+    block_bytes: int = 1000,
+    **cfg: object,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
+    return Scheduler(SchedulerConfig(**cfg), bm, max_model_len, frozenset({EOS}), block_bytes=block_bytes)  # type: ignore[arg-type]
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int | None = 4, **stopping: object) -> Sequence:
@@ -42,6 +52,12 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int | None = 4, **stoppin
         stopping=StoppingParams(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
         arrival=seq_id,
     )
+
+
+def add(s: Scheduler, seq: Sequence, priority: int = 0) -> SequenceGroup:
+    group = SequenceGroup(seq.request_id, [seq], seq.sampling, seq.arrival, priority=priority)
+    s.add(group)
+    return group
 
 
 def drive(s: Scheduler, max_steps: int = 10_000) -> list[StepPlan]:
@@ -65,7 +81,7 @@ def expected_output(prompt_len: int, n: int) -> list[int]:
 def test_prefill_then_decode_feeds_the_sampled_token() -> None:
     s = make_scheduler()
     seq = make_seq(0, prompt_len=6, max_tokens=3)
-    s.add(seq)
+    add(s, seq)
     p0 = s.schedule()
     assert p0 is not None
     assert p0.query_lens.tolist() == [6] and p0.context_lens.tolist() == [0] and p0.sample.tolist() == [1]
@@ -86,7 +102,7 @@ def test_prefill_then_decode_feeds_the_sampled_token() -> None:
 def test_long_prompt_is_chunked_under_the_token_budget() -> None:
     s = make_scheduler(max_num_batched_tokens=8)
     seq = make_seq(0, prompt_len=20, max_tokens=2)
-    s.add(seq)
+    add(s, seq)
     plans = drive(s)
     assert [p.query_lens.tolist() for p in plans] == [[8], [8], [4], [1]]
     assert [p.context_lens.tolist() for p in plans] == [[0], [8], [16], [20]]
@@ -97,12 +113,12 @@ def test_long_prompt_is_chunked_under_the_token_budget() -> None:
 def test_decodes_and_a_new_prefill_share_a_step_running_first() -> None:
     s = make_scheduler(max_num_batched_tokens=10)
     a = make_seq(0, prompt_len=5, max_tokens=5)
-    s.add(a)
+    add(s, a)
     p = s.schedule()
     assert p is not None
     s.update(p, fake_execute(p))
     b = make_seq(1, prompt_len=12, max_tokens=2)
-    s.add(b)
+    add(s, b)
     mixed = s.schedule()
     assert mixed is not None
     assert mixed.seq_ids.tolist() == [0, 1]
@@ -117,7 +133,7 @@ def test_decodes_and_a_new_prefill_share_a_step_running_first() -> None:
 def test_max_num_seqs_limits_admission() -> None:
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):
-        s.add(make_seq(i, prompt_len=3, max_tokens=2))
+        add(s, make_seq(i, prompt_len=3, max_tokens=2))
     p = s.schedule()
     assert p is not None and p.seq_ids.tolist() == [0, 1]
     assert s.num_waiting == 1
@@ -131,7 +147,7 @@ def test_preemption_by_recompute_keeps_every_token_and_frees_everything() -> Non
     s = make_scheduler(num_blocks=6, block_size=4)
     seqs = [make_seq(i, prompt_len=4, max_tokens=8) for i in range(3)]
     for seq in seqs:
-        s.add(seq)
+        add(s, seq)
     drive(s)
     assert s.num_preemptions > 0
     assert seqs[0].num_preemptions == 0  # the oldest is never the victim while a later one runs
@@ -142,11 +158,11 @@ def test_preemption_by_recompute_keeps_every_token_and_frees_everything() -> Non
 
 
 def test_preempted_sequence_recomputes_prompt_and_output_then_continues() -> None:
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, prefix_caching=False)
     a = make_seq(0, prompt_len=4, max_tokens=8)
     b = make_seq(1, prompt_len=4, max_tokens=8)
-    s.add(a)
-    s.add(b)
+    add(s, a)
+    add(s, b)
     plans = drive(s)
     recompute = [p for p in plans if 1 in p.seq_ids.tolist() and p.context_lens[p.seq_ids.tolist().index(1)] == 0]
     assert len(recompute) == 2  # the first prefill, and the re-prefill after preemption
@@ -162,7 +178,7 @@ def test_finish_reasons() -> None:
     stop_id = make_seq(1, prompt_len=3, max_tokens=10, stop_token_ids=frozenset({fake_token(4)}))
     context = make_seq(2, prompt_len=8, max_tokens=None)
     for seq in (length, stop_id, context):
-        s.add(seq)
+        add(s, seq)
     drive(s)
     assert length.finish_reason is FinishReason.LENGTH and length.num_output_tokens == 2
     assert stop_id.finish_reason is FinishReason.STOP and stop_id.output_token_ids[-1] == fake_token(4)
@@ -176,7 +192,7 @@ def test_eos_stops_unless_ignored() -> None:
     for ignore, expected in ((False, FinishReason.STOP), (True, FinishReason.LENGTH)):
         s = make_scheduler()
         seq = make_seq(0, prompt_len=3, max_tokens=3, ignore_eos=ignore)
-        s.add(seq)
+        add(s, seq)
         while (plan := s.schedule()) is not None:
             s.update(plan, eos_at_5(plan))
         assert seq.finish_reason is expected
@@ -186,14 +202,14 @@ def test_eos_stops_unless_ignored() -> None:
 def test_abort_frees_running_and_waiting_sequences() -> None:
     s = make_scheduler(max_num_seqs=1)
     a, b = make_seq(0, 6, max_tokens=100), make_seq(1, 6, max_tokens=100)
-    s.add(a)
-    s.add(b)
+    add(s, a)
+    add(s, b)
     plan = s.schedule()
     assert plan is not None
     s.update(plan, fake_execute(plan))
     assert s.block_manager.num_used_blocks == 2
-    assert s.abort(0) is a and a.status is SequenceStatus.FINISHED and a.finish_reason is FinishReason.ABORTED
-    assert s.abort(1) is b
+    assert s.abort(0) is a.group and a.status is SequenceStatus.FINISHED and a.finish_reason is FinishReason.ABORTED
+    assert s.abort(1) is b.group
     assert s.abort(1) is None
     assert not s.has_work and s.block_manager.num_free_blocks == s.block_manager.num_blocks
     s.check_integrity()
@@ -201,7 +217,7 @@ def test_abort_frees_running_and_waiting_sequences() -> None:
 
 def test_step_protocol_is_enforced() -> None:
     s = make_scheduler()
-    s.add(make_seq(0, 3))
+    add(s, make_seq(0, 3))
     plan = s.schedule()
     assert plan is not None
     with pytest.raises(RuntimeError):
@@ -210,18 +226,18 @@ def test_step_protocol_is_enforced() -> None:
         s.update(plan, StepResult(plan.step_id + 1, np.zeros(1, np.int32)))
     s.update(plan, fake_execute(plan))
     with pytest.raises(ValueError):
-        s.add(make_seq(0, 3))  # id 0 still running
+        add(s, make_seq(0, 3))  # id 0 still running
 
 
 def test_watermark_holds_back_admission_only_while_others_run() -> None:
     s = make_scheduler(num_blocks=10, block_size=4, watermark=0.2)  # keep 2 blocks in reserve
     big = make_seq(0, prompt_len=40, max_tokens=1)  # all 10 blocks: admitted, nothing else runs
-    s.add(big)
+    add(s, big)
     assert drive(s)[0].seq_ids.tolist() == [0]
     a = make_seq(1, prompt_len=12, max_tokens=3)  # 3 blocks, then 4
     b = make_seq(2, prompt_len=24, max_tokens=1)  # 6 blocks: 6 + 2 reserve > 7 free while a runs
-    s.add(a)
-    s.add(b)
+    add(s, a)
+    add(s, b)
     plans = drive(s)
     first_b = next(i for i, p in enumerate(plans) if 2 in p.seq_ids.tolist())
     assert all(p.seq_ids.tolist() == [1] for p in plans[:first_b])
@@ -231,5 +247,8 @@ def test_watermark_holds_back_admission_only_while_others_run() -> None:
 
 def test_can_ever_fit() -> None:
     s = make_scheduler(num_blocks=4, block_size=4)
-    assert s.can_ever_fit(16)
-    assert not s.can_ever_fit(17)
+    assert s.can_ever_fit(4, 16)
+    assert not s.can_ever_fit(4, 17)
+    # Two samples of an 8-token prompt share its 2 full blocks; each needs 1 more of its own.
+    assert s.can_ever_fit(8, 12, width=2)
+    assert not s.can_ever_fit(8, 12, width=3)

@@ -137,6 +137,42 @@ def test_greedy_equals_transformers_for_concurrent_prompts(up: Up, smollm2_dir: 
     assert all(g.text for g in ours)
 
 
+BEAM_NEW = 16
+
+
+def reference_beam(model_dir: Path, prompts: list[str], width: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=BEAM_NEW, num_beams=width,
+                do_sample=False, length_penalty=1.0, early_stopping=False,
+            )
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_beam_search_equals_transformers_beam_search(up: Up, smollm2_dir: Path, prompts: list[str]) -> None:
+    chosen = [prompts[0], prompts[3], prompts[4], prompts[5]]
+
+    async def run() -> list:
+        async with grpc.aio.insecure_channel(up.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return await asyncio.gather(*(collect(stub, request(p, max_tokens=BEAM_NEW, beam_width=4)) for p in chosen))
+
+    ours = asyncio.run(run())
+    want = reference_beam(smollm2_dir, chosen, 4)
+    for prompt, gen, ref in zip(chosen, ours, want):
+        assert len(gen.messages) == 1 and gen.final.index == 0
+        assert gen.token_ids == ref, f"best beam differs for {prompt!r}"
+
+
 def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:
     listed = subprocess.run([GRPCURL, "-plaintext", up.address, "list"], capture_output=True, text=True, timeout=30, check=True)
     services = set(listed.stdout.split())

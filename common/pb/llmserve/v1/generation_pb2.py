@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.llmserve.v1.StoppingCriteria\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"`\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r*\xa2\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.llmserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\t\n\x01n\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\r\x12\x12\n\nbeam_width\x18\x07 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x08 \x01(\x02H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x11\n\x0f_length_penalty\"`\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\x08 \x01(\x01\x12(\n\x05stats\x18\t \x01(\x0b\x32\x19.llmserve.v1.RequestStats\"r\n\x0cRequestStats\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x01 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x02 \x01(\r\x12\x11\n\tnum_swaps\x18\x03 \x01(\r\x12\x15\n\rswapped_bytes\x18\x04 \x01(\x04*\xa2\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,16 +32,18 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.generation_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016io.llmserve.v1P\001Z\026llmserve/v1;llmservev1'
-  _globals['_FINISHREASON']._serialized_start=593
-  _globals['_FINISHREASON']._serialized_end=755
+  _globals['_FINISHREASON']._serialized_start=909
+  _globals['_FINISHREASON']._serialized_end=1071
   _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=221
-  _globals['_SAMPLINGPARAMS']._serialized_start=223
-  _globals['_SAMPLINGPARAMS']._serialized_end=318
-  _globals['_STOPPINGCRITERIA']._serialized_start=320
-  _globals['_STOPPINGCRITERIA']._serialized_end=416
-  _globals['_GENERATERESPONSE']._serialized_start=419
-  _globals['_GENERATERESPONSE']._serialized_end=590
-  _globals['_GENERATION']._serialized_start=757
-  _globals['_GENERATION']._serialized_end=844
+  _globals['_GENERATEREQUEST']._serialized_end=239
+  _globals['_SAMPLINGPARAMS']._serialized_start=242
+  _globals['_SAMPLINGPARAMS']._serialized_end=433
+  _globals['_STOPPINGCRITERIA']._serialized_start=435
+  _globals['_STOPPINGCRITERIA']._serialized_end=531
+  _globals['_GENERATERESPONSE']._serialized_start=534
+  _globals['_GENERATERESPONSE']._serialized_end=790
+  _globals['_REQUESTSTATS']._serialized_start=792
+  _globals['_REQUESTSTATS']._serialized_end=906
+  _globals['_GENERATION']._serialized_start=1073
+  _globals['_GENERATION']._serialized_end=1160
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,112 @@
+"""One request's way back to its caller: token events in, RequestOutput messages out.
+
+Each output (sample or beam) gets its own incremental detokenizer with the request's stop
+strings. Outputs that stream (n == best_of) send a message per token, tagged with their index;
+best_of > n and beam search send one message per chosen output when the whole group ends,
+because which outputs win is only known then. A None on the queue ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import RequestOutput, RequestStats
+from scheduler_svc.scheduler import Scheduler, TokenEvent
+from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.text_stream import TextStream
+from scheduler_svc.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class RequestStream:
+    group: SequenceGroup
+    tokenizer: Tokenizer
+    stop: tuple[str, ...]
+    block_bytes: int
+    queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
+    _texts: dict[int, TextStream] = field(default_factory=dict)
+    _buffered: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.group.seqs)
+
+    def stats(self) -> RequestStats:
+        g = self.group
+        return RequestStats(
+            prefix_cache_hit_tokens=g.prefix_hit_tokens,
+            num_preemptions=g.num_preemptions,
+            num_swaps=g.num_swaps,
+            swapped_bytes=g.swapped_blocks * self.block_bytes,
+        )
+
+    def on_token(self, event: TokenEvent, scheduler: Scheduler) -> bool:
+        """Detokenize one event and send what the caller may see; returns whether the group ended."""
+        seq, reason, ended = event.seq, event.finish_reason, event.group_finished
+        text_stream = self._texts.get(seq.seq_id)
+        if text_stream is None:
+            text_stream = self._texts[seq.seq_id] = TextStream(self.tokenizer, seq.prompt_token_ids, self.stop)
+        # A stop token ends the text: it is returned in token_ids, never shown.
+        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id)
+        if text_stream.matched_stop is not None:
+            # Also when this token reached max_tokens: the stop string is why the text ends.
+            if reason is None:
+                ended = scheduler.finish_seq(seq.seq_id, FinishReason.STOP_SEQUENCE)
+            reason = seq.finish_reason = FinishReason.STOP_SEQUENCE
+        elif reason is not None:
+            text += text_stream.flush()
+        if reason is not None:
+            del self._texts[seq.seq_id]
+        if self.group.streams:
+            self.queue.put_nowait(self._output(seq, [event.token_id], text, reason))
+        else:
+            self._buffered[seq.seq_id] = self._buffered.get(seq.seq_id, "") + text
+        return ended
+
+    def finish(self) -> None:
+        """The group ended: send the chosen outputs if they were held back, then close."""
+        group = self.group
+        if group.beam is not None:
+            for index, hyp in enumerate(group.beam.pool[: group.sampling.n]):
+                ids = list(hyp.output_token_ids)
+                shown = ids[:-1] if hyp.finish_reason is FinishReason.STOP else ids
+                self.queue.put_nowait(
+                    RequestOutput(
+                        request_id=group.request_id,
+                        token_ids=ids,
+                        text=self.tokenizer.decode(shown),
+                        finish_reason=hyp.finish_reason,
+                        prompt_tokens=len(group.seqs[0].prompt_token_ids),
+                        completion_tokens=len(ids),
+                        index=index,
+                        cumulative_logprob=hyp.cumulative_logprob,
+                        stats=self.stats(),
+                    )
+                )
+        elif not group.streams:
+            for index, seq in enumerate(group.best()):
+                out = self._output(seq, seq.output_token_ids, self._buffered.get(seq.seq_id, ""), seq.finish_reason)
+                self.queue.put_nowait(RequestOutput(**{**out.__dict__, "index": index}))
+        self.queue.put_nowait(None)
+
+    def fail(self, error: Exception) -> None:
+        self.queue.put_nowait(error)
+
+    def _output(self, seq: Sequence, token_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob,
+            stats=self.stats() if reason is not None else None,
+        )
