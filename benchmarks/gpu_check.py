@@ -118,6 +118,7 @@ def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
     from scheduler_svc.block_manager import BlockManager
     from scheduler_svc.scheduler import Scheduler
     from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.sequence_group import SequenceGroup
     from worker_svc.runner import ModelRunner
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -143,7 +144,7 @@ def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
             seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
                              StoppingParams(max_tokens=steps), arrival=i) for i in range(4 if smoke else 32)]
             for s in seqs:
-                sched.add(s)
+                sched.add(SequenceGroup.of(s))
             start, generated = time.perf_counter(), 0
             while (plan := sched.schedule()) is not None:
                 generated += len(sched.update(plan, runner.execute(plan)))

@@ -49,6 +49,7 @@ class BlockManager:
         self._indexed: dict[int, int] = {}  # leading table blocks already offered to the index
         self._ops: dict[str, list[tuple[int, int]]] = {"swap_out": [], "swap_in": [], "copy": []}
         self._rows: dict[int, int] = {}
+        self.rows_epoch = 0  # bumped whenever a sequence's mirror row changes
         self._spare_rows: list[int] = list(range(63, -1, -1))  # popped from the end: row 0 first
         self._array = np.full((64, 64), -1, dtype=np.int32)
 
@@ -146,6 +147,12 @@ class BlockManager:
         ref = self.gpu.ref
         return grow + sum(1 for i in range(write_from // self.block_size, min(end, len(table))) if ref[table[i]] > 1)
 
+    def can_append_in_place(self, seq_id: int, position: int) -> bool:
+        """Whether writing the token at `position` needs no new block and no copy."""
+        table = self._tables[seq_id]
+        i = position // self.block_size
+        return i < len(table) and self.gpu.ref[table[i]] == 1
+
     def can_allocate(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> bool:
         return self.blocks_needed(seq_id, num_tokens, write_from) + reserve <= self.gpu.num_free
 
@@ -172,10 +179,10 @@ class BlockManager:
                 self.gpu.decref(old)
                 table[i] = new
                 self._array[row, i] = new
-        while len(table) < end:
-            block = self.gpu.take()
-            self._set(row, len(table), block)
-            table.append(block)
+        if len(table) < end:
+            start = len(table)
+            table.extend(self.gpu.take() for _ in range(end - start))
+            self._set_range(row, start, table[start:])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copied on the first write)."""
@@ -281,30 +288,39 @@ class BlockManager:
                 self._array = np.concatenate([self._array, np.full_like(self._array, -1)])
                 self._spare_rows.extend(range(2 * old - 1, old - 1, -1))
             row = self._rows[seq_id] = self._spare_rows.pop()
-        for i, block in enumerate(self._tables[seq_id]):
-            self._set(row, i, block)
+            self.rows_epoch += 1
+        self._set_range(row, 0, self._tables[seq_id])
 
-    def _set(self, row: int, col: int, block: int) -> None:
-        if col >= self._array.shape[1]:
-            wider = np.full((self._array.shape[0], 2 * self._array.shape[1]), -1, dtype=np.int32)
+    def _set_range(self, row: int, start: int, blocks: list[int]) -> None:
+        end = start + len(blocks)
+        if end > self._array.shape[1]:
+            width = max(end, 2 * self._array.shape[1])
+            wider = np.full((self._array.shape[0], width), -1, dtype=np.int32)
             wider[:, : self._array.shape[1]] = self._array
             self._array = wider
-        self._array[row, col] = block
+        self._array[row, start:end] = blocks
 
     def _release_row(self, seq_id: int) -> None:
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._spare_rows.append(row)
+            self.rows_epoch += 1
 
-    def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """int32 [len(seq_ids), width] of the sequences' tables, padded with -1."""
-        rows = np.fromiter((self._rows[s] for s in seq_ids), np.int64, len(seq_ids))
-        lens = np.fromiter((len(self._tables[s]) for s in seq_ids), np.int64, len(seq_ids))
-        width = int(lens.max()) if len(seq_ids) else 0
+    def rows_of(self, seq_ids: Sequence[int]) -> np.ndarray:
+        return np.array([self._rows[s] for s in seq_ids], dtype=np.int64)
+
+    def tables_at(self, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """int32 [len(rows), max(lens)]: the first lens[i] blocks of mirror row rows[i], then -1."""
+        width = int(lens.max()) if len(rows) else 0
         out = self._array[rows, :width]
         # Stale ids past each table's end become -1, never someone else's block.
         out[np.arange(width)[None, :] >= lens[:, None]] = -1
         return out
+
+    def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """int32 [len(seq_ids), width] of the sequences' whole tables, padded with -1."""
+        lens = np.array([len(self._tables[s]) for s in seq_ids], dtype=np.int64)
+        return self.tables_at(self.rows_of(seq_ids), lens)
 
     # ---- checks ----
 

@@ -129,7 +129,7 @@ class BlockPool:
         if any(self._hash_of[b] is not None for b in free):
             # take() hands free blocks out without unindexing them: a hit would read reused KV.
             raise AssertionError("a free block still carries a hash")
-        if any(b not in self._by_hash.values() for b in cached):
+        if not cached <= set(self._by_hash.values()):
             raise AssertionError("a cached block is not indexed")
         if sum(h is not None for h in self._hash_of) != len(self._by_hash):
             raise AssertionError("a block carries a hash the index lacks")

@@ -1,8 +1,10 @@
 """Turn the scheduler's choice for one step into a StepPlan of flat arrays.
 
-This runs every step for up to `max_num_seqs` sequences, so it reads each sequence's fields
-once into numpy arrays and takes the block tables from the block manager's array mirror in
-one fancy-index copy; no per-sequence numpy calls.
+This runs every step for up to `max_num_seqs` sequences, so it avoids per-sequence numpy
+calls: each field is one list comprehension turned into one array, block tables are one
+fancy-index copy from the block manager's mirror, and what cannot change between steps
+(sampling parameters, seeds, prompt lengths, mirror rows) is reused while the step runs the
+same sequences as the previous one, which is every decode step between admissions.
 """
 
 from __future__ import annotations
@@ -14,41 +16,71 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import Sequence
 
 
-def build_plan(step_id: int, seqs: list[Sequence], query_lens: list[int], bm: BlockManager) -> StepPlan:
-    """Sequence i feeds tokens [computed, computed + query_lens[i]) of its token list."""
-    n = len(seqs)
-    q = np.array(query_lens, dtype=np.int32)
-    computed = [s.num_computed_tokens for s in seqs]
-    if n and int(q.max()) == 1:
-        input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, computed)], dtype=np.int32)
-    else:
-        flat: list[int] = []
-        for s, c, k in zip(seqs, computed, query_lens):
-            flat.extend(s.token_ids[c : c + k])
-        input_ids = np.array(flat, dtype=np.int32)
-    context_lens = np.array(computed, dtype=np.int32)
-    num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
-    prompt_lens = np.array([len(s.prompt_token_ids) for s in seqs], dtype=np.int32)
+class PlanBuilder:
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self._ids: list[int] = []
+        self._rows_epoch = -1
+        self._static: dict[str, np.ndarray] = {}
+
+    def build(self, step_id: int, seqs: list[Sequence], query_lens: list[int]) -> StepPlan:
+        """Sequence i feeds tokens [computed, computed + query_lens[i]) of its token list."""
+        bm = self.bm
+        n = len(seqs)
+        ids = [s.seq_id for s in seqs]
+        if ids != self._ids:
+            self._ids = ids
+            self._static = _static_fields(seqs)
+            self._rows_epoch = -1
+        if self._rows_epoch != bm.rows_epoch:
+            self._static["rows"] = bm.rows_of(ids)
+            self._rows_epoch = bm.rows_epoch
+        st = self._static
+        q = np.array(query_lens, dtype=np.int32)
+        computed = [s.num_computed_tokens for s in seqs]
+        if n and max(query_lens) == 1:
+            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, computed)], dtype=np.int32)
+        else:
+            flat: list[int] = []
+            for s, c, k in zip(seqs, computed, query_lens):
+                flat.extend(s.token_ids[c : c + k])
+            input_ids = np.array(flat, dtype=np.int32)
+        context_lens = np.array(computed, dtype=np.int32)
+        num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
+        ends = context_lens + q
+        swap_out, swap_in, copy = bm.take_ops()
+        return StepPlan(
+            step_id=step_id,
+            seq_ids=st["seq_ids"],
+            query_lens=q,
+            context_lens=context_lens,
+            input_ids=input_ids,
+            # A sequence fed up to position e owns exactly ceil(e / block_size) blocks.
+            block_tables=bm.tables_at(st["rows"], -(-ends // bm.block_size)),
+            sample=(ends == num_tokens).astype(np.uint8),
+            sampling=SamplingBatch(
+                temperature=st["temperature"],
+                top_p=st["top_p"],
+                top_k=st["top_k"],
+                seed=st["seed"],
+                output_position=num_tokens - st["prompt_lens"],
+                num_logprobs=st["num_logprobs"],
+            ),
+            swap_out=swap_out,
+            swap_in=swap_in,
+            copy=copy,
+        )
+
+
+def _static_fields(seqs: list[Sequence]) -> dict[str, np.ndarray]:
     params = [s.sampling for s in seqs]
-    swap_out, swap_in, copy = bm.take_ops()
-    return StepPlan(
-        step_id=step_id,
-        seq_ids=np.array([s.seq_id for s in seqs], dtype=np.int64),
-        query_lens=q,
-        context_lens=context_lens,
-        input_ids=input_ids,
-        block_tables=bm.block_tables([s.seq_id for s in seqs]),
-        sample=(context_lens + q == num_tokens).astype(np.uint8),
-        sampling=SamplingBatch(
-            temperature=np.array([p.temperature for p in params], dtype=np.float32),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int32),
-            seed=np.array([s.seed for s in seqs], dtype=np.uint64).view(np.int64),
-            output_position=num_tokens - prompt_lens,
-            # A beam step ranks 2W candidates of every beam.
-            num_logprobs=np.array([2 * p.beam_width if p.beam_width > 1 else 0 for p in params], dtype=np.int32),
-        ),
-        swap_out=swap_out,
-        swap_in=swap_in,
-        copy=copy,
-    )
+    return {
+        "seq_ids": np.array([s.seq_id for s in seqs], dtype=np.int64),
+        "temperature": np.array([p.temperature for p in params], dtype=np.float32),
+        "top_p": np.array([p.top_p for p in params], dtype=np.float32),
+        "top_k": np.array([p.top_k for p in params], dtype=np.int32),
+        "seed": np.array([s.seed for s in seqs], dtype=np.uint64).view(np.int64),
+        "prompt_lens": np.array([len(s.prompt_token_ids) for s in seqs], dtype=np.int32),
+        # A beam step ranks 2W candidates of every beam.
+        "num_logprobs": np.array([2 * p.beam_width if p.beam_width > 1 else 0 for p in params], dtype=np.int32),
+    }

@@ -5,22 +5,13 @@ the worker's answer and returns token events. No I/O, no clock, no asyncio; the 
 does all of that and is the only caller, so nothing here needs a lock.
 
 The unit is a request's `SequenceGroup`. Every queue is ordered by the group's place in line,
-(priority, arrival), which preemption never changes. Each step, under a token budget:
-
-  1. Running groups in line order feed what they lack (a prompt chunk, or 1 token per
-     sequence). When blocks run short, the group last in line is preempted, by swap or by
-     recompute, whichever `PreemptionPolicy` finds cheaper.
-  2. Unless step 1 preempted something, the heads of swapped and waiting are resumed or
-     admitted in line order (so a swapped group comes back before any later arrival), as long
-     as the budget, `max_num_seqs` and the free blocks above a watermark allow. New prompts
-     start from their longest prefix-cache hit. Admission stops at the first group that does
-     not fit: nobody is overtaken, so nobody starves.
-  3. Before either, a waiting or swapped group of strictly higher priority than the last
-     running one, that does not fit, preempts running groups of lower priority until it fits.
+(priority, arrival), which preemption never changes. `StepPlanner` chooses each step's work
+(the batching, admission and preemption policy is described there); this class owns the
+queues, preempts, and applies results: sampled tokens, stop conditions, beam steps.
 
 Why this cannot thrash or livelock:
-  - the victim is always the group last in line, so the group first in line is never
-    preempted while another runs, and always progresses;
+  - the victim of a preemption is always the group last in line, so the group first in line
+    is never preempted while another runs, and always progresses;
   - a step that had to preempt admits nothing, and a group resumes only with a watermark of
     blocks plus one block per sequence to spare, so it is not evicted by its own next token;
   - priority preemption only displaces strictly lower priority: equal priorities never
@@ -33,20 +24,20 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from common.config import SchedulerConfig
 from common.plan import StepPlan, StepResult
 from scheduler_svc.beam_search import BeamSearch
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.plan_builder import build_plan
+from scheduler_svc.plan_builder import PlanBuilder
 from scheduler_svc.preemption import PreemptionMode, PreemptionPolicy
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.step_planner import StepPlanner
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """A token appended to `seq` this step; `finish_reason` is set if it ended the sequence.
 
     Beams report no tokens: their group's end is a single event with token_id -1.
@@ -81,7 +72,8 @@ class Scheduler:
         self._ids: Iterator[int] = itertools.count()
         self._next_step_id = 0
         self._in_flight: tuple[int, list[Sequence]] | None = None
-        self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self._planner = StepPlanner(self)
+        self._builder = PlanBuilder(block_manager)
         # Sequence slots held by running groups (a group holds its widest count: best_of or beam width).
         self.running_slots = 0
         # Counters for metrics.
@@ -114,9 +106,15 @@ class Scheduler:
         group.status = SequenceStatus.WAITING
         for seq in group.seqs:
             seq.status = SequenceStatus.WAITING
+            stopping = seq.stopping
+            seq.stop_ids = stopping.stop_token_ids if stopping.ignore_eos else stopping.stop_token_ids | self.eos_token_ids
+            limit = self.max_model_len
+            if stopping.max_tokens is not None:
+                limit = min(limit, seq.num_prompt_tokens + stopping.max_tokens)
+            seq.token_limit = limit
             self._seqs[seq.seq_id] = seq
         self._groups[group.group_id] = group
-        self._enqueue(self.waiting, group)
+        self.enqueue(self.waiting, group)
 
     def finish_seq(self, seq_id: int, reason: FinishReason) -> bool:
         """End one sequence (e.g. on a stop string); returns whether its group ended too."""
@@ -160,7 +158,7 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
-    def _enqueue(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
+    def enqueue(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
         bisect.insort(queue, group, key=lambda g: g.key)
 
     def _end_seq(self, seq: Sequence, reason: FinishReason) -> None:
@@ -184,13 +182,13 @@ class Scheduler:
         """Pick this step's work; None when there is nothing to run."""
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
-        seqs, query_lens = self._pick()
+        seqs, query_lens = self._planner.pick()
         if not seqs:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight = (step_id, seqs)
-        return build_plan(step_id, seqs, query_lens, self.block_manager)
+        return self._builder.build(step_id, seqs, query_lens)
 
     def preempt(self, group: SequenceGroup) -> PreemptionMode:
         """Give back the group's device blocks, by swap or recompute; it keeps its place in line."""
@@ -206,14 +204,14 @@ class Scheduler:
             group.swapped_blocks += bm.swap_out(ids)
             group.num_swaps += 1
             group.status = SequenceStatus.SWAPPED
-            self._enqueue(self.swapped, group)
+            self.enqueue(self.swapped, group)
             self.num_swap_preemptions += 1
         else:
             for seq in live:
                 bm.drop_device_blocks(seq.seq_id)
                 seq.num_computed_tokens = 0
             group.status = SequenceStatus.WAITING
-            self._enqueue(self.waiting, group)
+            self.enqueue(self.waiting, group)
             self.num_recompute_preemptions += 1
         for seq in live:
             seq.status = group.status
@@ -230,173 +228,20 @@ class Scheduler:
         self._in_flight = None
         return self._apply(seqs, plan, result)
 
-    # ---- choosing a step ----
-
-    def _pick(self) -> tuple[list[Sequence], list[int]]:
-        bm = self.block_manager
-        budget = self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        query_lens: list[int] = []
-        self._preempt_for_priority(budget)
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            group = self.running[i]
-            rows = self._rows(group, budget)
-            need = self._blocks_needed(rows)
-            while need > bm.num_free_blocks:
-                victim = self.running[-1]
-                self.preempt(victim)
-                preempted = True
-                if victim is group:
-                    break
-            if group.status is not SequenceStatus.RUNNING:
-                break
-            budget -= self._take(rows, seqs, query_lens)
-            i += 1
-        # A step that had to preempt admits nothing, unless nothing else would run at all.
-        if not preempted or not seqs:
-            self._admit(budget, seqs, query_lens)
-        return seqs, query_lens
-
-    def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
-        """Allocate the rows' blocks and add them to the step; returns the tokens they feed."""
-        bm = self.block_manager
-        used = 0
-        for seq, q in rows:
-            bm.allocate(seq.seq_id, seq.num_computed_tokens + q, seq.num_computed_tokens)
-            seqs.append(seq)
-            query_lens.append(q)
-            used += q
-        return used
-
-    def _blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
-        """An upper bound: forks sharing one block count its copy once each."""
-        bm = self.block_manager
-        return sum(bm.blocks_needed(s.seq_id, s.num_computed_tokens + q, s.num_computed_tokens) for s, q in rows)
-
-    def _rows(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """What each of the group's sequences feeds this step, within `budget` tokens."""
-        if group.needs_fork and group.seqs[0].num_tokens - group.seqs[0].num_computed_tokens == 1:
-            self._fork_samples(group)
-        rows: list[tuple[Sequence, int]] = []
-        complete = True
-        for seq in group.live():
-            left = seq.num_tokens - seq.num_computed_tokens
-            q = min(left, budget)
-            if group.needs_fork:
-                q = min(q, left - 1)  # stop before the last prompt token: the fork happens there
-            complete = complete and q == left
-            if q > 0:
-                rows.append((seq, q))
-                budget -= q
-        if group.is_beam and not complete:
-            # Beams sample together or not at all: cap each below its last token until every
-            # beam's catch-up (after a recompute) fits one step.
-            capped = [(s, min(q, s.num_tokens - s.num_computed_tokens - 1)) for s, q in rows]
-            rows = [(s, q) for s, q in capped if q > 0]
-        return rows
-
-    def _fork_samples(self, group: SequenceGroup) -> None:
-        parent = group.seqs[0]
-        for index in range(1, group.sampling.best_of):
-            child = parent.fork(self.new_seq_id(), index, group.sampling.sample_seed(index))
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            group.seqs.append(child)
-            self._seqs[child.seq_id] = child
-        group.forked = True
-
-    def _head(self) -> SequenceGroup | None:
-        """The next group in line to resume or admit."""
-        w = self.waiting[0] if self.waiting else None
-        s = self.swapped[0] if self.swapped else None
-        if w is None or (s is not None and s.key < w.key):
-            return s
-        return w
-
-    def _admission_need(self, group: SequenceGroup, budget: int) -> int:
-        """Free blocks resuming or admitting `group` takes this step, at most."""
-        bm = self.block_manager
-        ids = [s.seq_id for s in group.live()]
-        if group.status is SequenceStatus.SWAPPED:
-            # Its blocks, plus one per sequence so its next tokens do not evict it again.
-            return len(bm.unique_blocks(ids, host=True)) + len(ids)
-        need = 0
-        for seq in group.live():
-            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
-            start = len(hit) * bm.block_size
-            left = seq.num_tokens - start
-            q = min(left, budget)
-            if group.needs_fork:
-                # Forking now: every sample may write its last prompt token into a block of its own.
-                q, extra = (1, group.sampling.best_of - 1) if left == 1 else (min(q, left - 1), 0)
-                need += extra
-            need += bm.admission_cost(hit, start + q)
-            budget -= q
-        return need
-
-    def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
-        if self.running_slots + group.max_seqs > self.config.max_num_seqs:
-            return False
-        reserve += self._watermark_blocks if self.running else 0
-        return self._admission_need(group, budget) + reserve <= self.block_manager.num_free_blocks
-
-    def _running_need(self, budget: int) -> int:
-        """Blocks the running groups take this step, at most (read-only, unlike `_rows`)."""
-        bm = self.block_manager
-        need = 0
-        for group in self.running:
-            for seq in group.live():
-                c = seq.num_computed_tokens
-                q = min(seq.num_tokens - c, budget)
-                need += bm.blocks_needed(seq.seq_id, c + q, c)
-        return need
-
-    def _preempt_for_priority(self, budget: int) -> None:
-        head = self._head()
-        while (
-            head is not None
-            and self.running
-            and self.running[-1].priority > head.priority
-            and not self._fits(head, budget, reserve=self._running_need(budget))
-        ):
-            self.preempt(self.running[-1])
-
-    def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int]) -> None:
-        bm = self.block_manager
-        while budget > 0:
-            group = self._head()
-            if group is None or not self._fits(group, budget):
-                return
-            if group.status is SequenceStatus.SWAPPED:
-                self.swapped.pop(0)
-                group.swapped_blocks += bm.swap_in([s.seq_id for s in group.live()])
-            else:
-                self.waiting.pop(0)
-                self._attach_prefixes(group)
-            group.status = SequenceStatus.RUNNING
-            for seq in group.live():
-                seq.status = SequenceStatus.RUNNING
-            self._enqueue(self.running, group)
-            self.running_slots += group.max_seqs
-            rows = self._rows(group, budget)
-            if self._blocks_needed(rows) <= bm.num_free_blocks:
-                budget -= self._take(rows, seqs, query_lens)
-
-    def _attach_prefixes(self, group: SequenceGroup) -> None:
-        bm = self.block_manager
-        for seq in group.live():
-            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
-            bm.attach(seq.seq_id, hit)
-            seq.num_computed_tokens = len(hit) * bm.block_size
-            group.prefix_hit_tokens += seq.num_computed_tokens
-            self.prefix_hit_tokens += seq.num_computed_tokens
-            self.prefix_queried_tokens += seq.num_tokens
+    def fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
+        """A new sequence of the parent's group sharing all its blocks."""
+        child = parent.fork(self.new_seq_id(), index, seed)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        assert parent.group is not None
+        parent.group.seqs.append(child)
+        self._seqs[child.seq_id] = child
+        return child
 
     # ---- applying a result ----
 
     def _apply(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> list[TokenEvent]:
         bm = self.block_manager
+        bs = bm.block_size
         events: list[TokenEvent] = []
         query_lens = plan.query_lens.tolist()
         sample = plan.sample.tolist()
@@ -406,19 +251,27 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += query_lens[i]
-            bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            c = seq.num_computed_tokens
+            seq.num_computed_tokens = c + query_lens[i]
+            if (c + query_lens[i]) // bs != c // bs:  # a block filled up: index it
+                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not sample[i]:
                 continue
             group = seq.group
             assert group is not None
-            if group.is_beam:
+            if group.beam is not None:
                 beam_rows.setdefault(group, []).append(i)
                 continue
             token, logprob = sampled[i], logprobs[i]
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
-            reason = self.stop_reason(seq, token)
+            if token in seq.stop_ids:
+                reason: FinishReason | None = FinishReason.STOP
+            elif len(seq.token_ids) >= seq.token_limit:
+                reason = self.stop_reason(seq, token)
+            else:
+                events.append(TokenEvent(seq, token, logprob, None, False))
+                continue
             ended = self.finish_seq(seq.seq_id, reason) if reason is not None else False
             events.append(TokenEvent(seq, token, logprob, reason, ended))
         for group, rows in beam_rows.items():
@@ -446,10 +299,7 @@ class Scheduler:
                 group.seqs.remove(beam)
         for parent, picks in chosen.items():
             for token, score in picks[1:]:
-                child = parent.fork(self.new_seq_id(), parent.index, parent.seed or 0)
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                group.seqs.append(child)
-                self._seqs[child.seq_id] = child
+                child = self.fork(parent, parent.index, parent.seed or 0)
                 child.token_ids.append(token)
                 child.cumulative_logprob = score
             parent.token_ids.append(picks[0][0])

@@ -77,6 +77,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     group: SequenceGroup | None = field(default=None, repr=False)
+    # Set by the scheduler at admission so the per-step stop check is one set lookup and one
+    # comparison: tokens that end the sequence, and the length at which it ends anyway.
+    stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    token_limit: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -120,4 +124,6 @@ class Sequence:
             status=self.status,
             cumulative_logprob=self.cumulative_logprob,
             group=self.group,
+            stop_ids=self.stop_ids,
+            token_limit=self.token_limit,
         )

@@ -46,6 +46,11 @@ class SequenceGroup:
         for seq in self.seqs:
             seq.group = self
 
+    @classmethod
+    def of(cls, seq: Sequence, priority: int = 0) -> SequenceGroup:
+        """The group of a request that starts as one sequence."""
+        return cls(seq.request_id, [seq], seq.sampling, seq.arrival, priority=priority)
+
     @property
     def key(self) -> tuple[int, int]:
         """Place in line: priority first, then arrival. Preemption never changes it."""

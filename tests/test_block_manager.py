@@ -435,7 +435,7 @@ def test_block_tables_grow_past_the_initial_mirror() -> None:
     tables = bm.block_tables([0, 100])
     assert tables[0].tolist() == list(range(130))
     assert tables[1].tolist() == [229] + [-1] * 129
-    assert bm._array.shape == (128, 256)  # rows are used from 0: 101 sequences fit 128 rows
+    assert bm._array.shape == (128, 130)  # rows are used from 0: 101 sequences fit 128 rows
     bm.check_integrity()
 
 

@@ -55,7 +55,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int | None = 4, **stoppin
 
 
 def add(s: Scheduler, seq: Sequence, priority: int = 0) -> SequenceGroup:
-    group = SequenceGroup(seq.request_id, [seq], seq.sampling, seq.arrival, priority=priority)
+    group = SequenceGroup.of(seq, priority)
     s.add(group)
     return group
 

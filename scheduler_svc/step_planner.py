@@ -1,0 +1,207 @@
+"""Which sequences run in the next step, and how many tokens each feeds.
+
+Each step, under a token budget:
+
+  1. Running groups in line order feed what they lack (a prompt chunk, or 1 token per
+     sequence). When blocks run short, the group last in line is preempted (swap or
+     recompute, see `preemption.py`) until the current group fits, or it is the victim itself.
+  2. Unless step 1 preempted something, the heads of swapped and waiting are resumed or
+     admitted in line order (so a swapped group comes back before any later arrival), as long
+     as the budget, `max_num_seqs` and the free blocks above a watermark allow. New prompts
+     start from their longest prefix-cache hit. Admission stops at the first group that does
+     not fit: nobody is overtaken, so nobody starves.
+  3. Before either, a waiting or swapped group of strictly higher priority than the last
+     running one, that does not fit, preempts running groups of lower priority until it fits.
+     This runs first so that no group is preempted after its rows were planned: every
+     swap-out of a step then precedes every swap-in, the order the worker applies them in.
+
+Samples fork just before their last prompt token (each then draws its first token from its
+own logits row); beams sample all together or not at all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.sequence_group import SequenceGroup
+
+if TYPE_CHECKING:
+    from scheduler_svc.scheduler import Scheduler
+
+
+class StepPlanner:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.bm = scheduler.block_manager
+        self.watermark_blocks = int(scheduler.config.watermark * self.bm.num_blocks)
+
+    def pick(self) -> tuple[list[Sequence], list[int]]:
+        bm = self.bm
+        budget = self.s.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        query_lens: list[int] = []
+        self._preempt_for_priority(budget)
+        preempted = False
+        i = 0
+        running = self.s.running
+        while i < len(running) and budget > 0:
+            group = running[i]
+            if group.max_seqs == 1:
+                # Fast path, most rows of most steps: a decode whose token lands in a block the
+                # sequence already owns alone needs no allocation and no check.
+                seq = group.seqs[0]
+                c = seq.num_computed_tokens
+                if seq.num_tokens - c == 1 and bm.can_append_in_place(seq.seq_id, c):
+                    seqs.append(seq)
+                    query_lens.append(1)
+                    budget -= 1
+                    i += 1
+                    continue
+            rows = self._rows(group, budget)
+            need = self._blocks_needed(rows)
+            while need > bm.num_free_blocks:
+                victim = self.s.running[-1]
+                self.s.preempt(victim)
+                preempted = True
+                if victim is group:
+                    break
+            if group.status is not SequenceStatus.RUNNING:
+                break
+            budget -= self._take(rows, seqs, query_lens)
+            i += 1
+        # A step that had to preempt admits nothing, unless nothing else would run at all.
+        if not preempted or not seqs:
+            self._admit(budget, seqs, query_lens)
+        return seqs, query_lens
+
+    def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
+        """Allocate the rows' blocks and add them to the step; returns the tokens they feed."""
+        bm = self.bm
+        used = 0
+        for seq, q in rows:
+            bm.allocate(seq.seq_id, seq.num_computed_tokens + q, seq.num_computed_tokens)
+            seqs.append(seq)
+            query_lens.append(q)
+            used += q
+        return used
+
+    def _blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
+        """An upper bound: forks sharing one block count its copy once each."""
+        bm = self.bm
+        return sum(bm.blocks_needed(s.seq_id, s.num_computed_tokens + q, s.num_computed_tokens) for s, q in rows)
+
+    def _rows(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """What each of the group's sequences feeds this step, within `budget` tokens."""
+        if group.needs_fork and group.seqs[0].num_tokens - group.seqs[0].num_computed_tokens == 1:
+            self._fork_samples(group)
+        rows: list[tuple[Sequence, int]] = []
+        complete = True
+        for seq in group.live():
+            left = seq.num_tokens - seq.num_computed_tokens
+            q = min(left, budget)
+            if group.needs_fork:
+                q = min(q, left - 1)  # stop before the last prompt token: the fork happens there
+            complete = complete and q == left
+            if q > 0:
+                rows.append((seq, q))
+                budget -= q
+        if group.is_beam and not complete:
+            # Beams sample together or not at all: cap each below its last token until every
+            # beam's catch-up (after a recompute) fits one step.
+            capped = [(s, min(q, s.num_tokens - s.num_computed_tokens - 1)) for s, q in rows]
+            rows = [(s, q) for s, q in capped if q > 0]
+        return rows
+
+    def _fork_samples(self, group: SequenceGroup) -> None:
+        parent = group.seqs[0]
+        for index in range(1, group.sampling.best_of):
+            self.s.fork(parent, index, group.sampling.sample_seed(index))
+        group.forked = True
+
+    def _head(self) -> SequenceGroup | None:
+        """The next group in line to resume or admit."""
+        w = self.s.waiting[0] if self.s.waiting else None
+        s = self.s.swapped[0] if self.s.swapped else None
+        if w is None or (s is not None and s.key < w.key):
+            return s
+        return w
+
+    def _admission_need(self, group: SequenceGroup, budget: int) -> int:
+        """Free blocks resuming or admitting `group` takes this step, at most."""
+        bm = self.bm
+        ids = [s.seq_id for s in group.live()]
+        if group.status is SequenceStatus.SWAPPED:
+            # Its blocks, plus one per sequence so its next tokens do not evict it again.
+            return len(bm.unique_blocks(ids, host=True)) + len(ids)
+        need = 0
+        for seq in group.live():
+            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
+            start = len(hit) * bm.block_size
+            left = seq.num_tokens - start
+            q = min(left, budget)
+            if group.needs_fork:
+                # Forking now: every sample may write its last prompt token into a block of its own.
+                q, extra = (1, group.sampling.best_of - 1) if left == 1 else (min(q, left - 1), 0)
+                need += extra
+            need += bm.admission_cost(hit, start + q)
+            budget -= q
+        return need
+
+    def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
+        if self.s.running_slots + group.max_seqs > self.s.config.max_num_seqs:
+            return False
+        reserve += self.watermark_blocks if self.s.running else 0
+        return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
+
+    def _running_need(self, budget: int) -> int:
+        """Blocks the running groups take this step, at most (read-only, unlike `_rows`)."""
+        bm = self.bm
+        need = 0
+        for group in self.s.running:
+            for seq in group.live():
+                c = seq.num_computed_tokens
+                q = min(seq.num_tokens - c, budget)
+                need += bm.blocks_needed(seq.seq_id, c + q, c)
+        return need
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        head = self._head()
+        while (
+            head is not None
+            and self.s.running
+            and self.s.running[-1].priority > head.priority
+            and not self._fits(head, budget, reserve=self._running_need(budget))
+        ):
+            self.s.preempt(self.s.running[-1])
+
+    def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int]) -> None:
+        bm = self.bm
+        while budget > 0:
+            group = self._head()
+            if group is None or not self._fits(group, budget):
+                return
+            if group.status is SequenceStatus.SWAPPED:
+                self.s.swapped.pop(0)
+                group.swapped_blocks += bm.swap_in([s.seq_id for s in group.live()])
+            else:
+                self.s.waiting.pop(0)
+                self._attach_prefixes(group)
+            group.status = SequenceStatus.RUNNING
+            for seq in group.live():
+                seq.status = SequenceStatus.RUNNING
+            self.s.enqueue(self.s.running, group)
+            self.s.running_slots += group.max_seqs
+            rows = self._rows(group, budget)
+            if self._blocks_needed(rows) <= bm.num_free_blocks:
+                budget -= self._take(rows, seqs, query_lens)
+
+    def _attach_prefixes(self, group: SequenceGroup) -> None:
+        bm = self.bm
+        for seq in group.live():
+            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
+            bm.attach(seq.seq_id, hit)
+            seq.num_computed_tokens = len(hit) * bm.block_size
+            group.prefix_hit_tokens += seq.num_computed_tokens
+            self.s.prefix_hit_tokens += seq.num_computed_tokens
+            self.s.prefix_queried_tokens += seq.num_tokens
