@@ -33,6 +33,7 @@ protos: install
 
 bench: install
 	$(PY) benchmarks/throughput.py $(ARGS)
+	$(PY) benchmarks/scheduler_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

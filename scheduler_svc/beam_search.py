@@ -1,6 +1,7 @@
 """Beam search over a group's sequences, with the semantics of transformers' `generate`.
 
-Each beam step every live beam returns its 2W most likely next tokens (W = beam width).
+Each beam step every live beam returns its K most likely next tokens (W = beam width,
+K = (1 + number of stop tokens) x W, at least 2W, as transformers takes).
 Candidates are scored by raw cumulative logprob and ranked over all beams; then
 
   - a candidate that ends (eos, stop token, max_tokens, context) and ranks among the first W
@@ -51,12 +52,12 @@ class BeamSearch:
     def step(
         self,
         beams: list[Sequence],
-        top_ids: np.ndarray,  # int32 [len(beams), >= 2W], best first
-        top_logprobs: np.ndarray,  # float32 [len(beams), >= 2W]
+        top_ids: np.ndarray,  # int32 [len(beams), K], best first
+        top_logprobs: np.ndarray,  # float32 [len(beams), K]
         ends: list[FinishReason | None],  # per beam: why one more token would end it, besides eos
         eos: frozenset[int],
     ) -> BeamChoice:
-        k = 2 * self.width
+        k = top_ids.shape[1]
         candidates = [
             (beam.cumulative_logprob + float(top_logprobs[b, r]), b, r)
             for b, beam in enumerate(beams)

@@ -71,6 +71,13 @@ class BlockManager:
         """Blocks a sequence of `num_tokens` tokens occupies."""
         return -(-num_tokens // self.block_size)
 
+    def has_table(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    @property
+    def has_pending_ops(self) -> bool:
+        return any(self._ops.values())
+
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
 
@@ -195,6 +202,17 @@ class BlockManager:
         self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
         self._indexed[child_id] = self._indexed.get(parent_id, 0)
         self._mirror(child_id)
+
+    def share_prefix(self, src_id: int, dst_id: int, num_blocks: int) -> None:
+        """Start `dst_id`'s table with the first `num_blocks` blocks of `src_id` (shared)."""
+        if dst_id in self._tables or dst_id in self._host:
+            raise RuntimeError(f"sequence {dst_id} already has a table")
+        table = self._tables[src_id][:num_blocks]
+        for block in table:
+            self.gpu.incref(block)
+        self._tables[dst_id] = table
+        self._indexed[dst_id] = 0
+        self._mirror(dst_id)
 
     def free(self, seq_id: int) -> int:
         """Drop every device and host block of `seq_id`; returns how many device blocks.

@@ -230,6 +230,10 @@ class Engine:
         sampling = sampling_params(req, seed, self.limits)
         total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
         width = max(sampling.best_of, sampling.beam_width)
+        for name, limit in (("max_num_seqs", self.config.max_num_seqs), ("max_num_batched_tokens", self.config.max_num_batched_tokens)):
+            if width > limit:
+                field = "sampling.beam_width" if sampling.beam_width > 1 else "sampling.best_of"
+                raise InvalidArgument(field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})")
         if not scheduler.can_ever_fit(len(tokens), total, width):
             bm = scheduler.block_manager
             need = scheduler.blocks_for_group(len(tokens), total, width)
@@ -309,26 +313,35 @@ class Engine:
                 self._record(plan.step_id, plan.num_seqs, plan.num_tokens, len(events), timing)
 
     def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
+        touched: dict[str, RequestStream] = {}
         for event in events:
             stream = self._streams.get(event.seq.request_id)
             if stream is None or stream.group is not event.seq.group:
                 continue
-            ended = stream.on_token(event, scheduler) if event.token_id >= 0 else event.group_finished
-            if ended:
-                stream.finish()
-                del self._streams[stream.request_id]
-                stats = stream.stats()
-                log.info(
-                    "request_finished",
-                    request_id=stream.request_id,
-                    finish_reasons=[s.finish_reason.value for s in stream.group.seqs if s.finish_reason],
-                    prompt_tokens=event.seq.num_prompt_tokens,
-                    completion_tokens=stream.num_output_tokens,
-                    prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-                    preemptions=stats.num_preemptions,
-                    swaps=stats.num_swaps,
-                    swapped_bytes=stats.swapped_bytes,
-                )
+            if event.token_id >= 0:
+                stream.on_token(event, scheduler)
+            touched[stream.request_id] = stream
+        # Only after every event of the step: a stop string on one sample can end the group
+        # while a sibling's last token of the same step is still to be sent.
+        for stream in touched.values():
+            if stream.group.is_finished:
+                self._close(stream)
+
+    def _close(self, stream: RequestStream) -> None:
+        stream.finish()
+        del self._streams[stream.request_id]
+        stats = stream.stats()
+        log.info(
+            "request_finished",
+            request_id=stream.request_id,
+            finish_reasons=[s.finish_reason.value for s in stream.group.seqs if s.finish_reason],
+            prompt_tokens=stream.group.seqs[0].num_prompt_tokens,
+            completion_tokens=stream.num_output_tokens,
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            preemptions=stats.num_preemptions,
+            swaps=stats.num_swaps,
+            swapped_bytes=stats.swapped_bytes,
+        )
 
     def _publish_gauges(self, scheduler: Scheduler) -> None:
         m = self.metrics

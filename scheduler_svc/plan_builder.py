@@ -72,6 +72,13 @@ class PlanBuilder:
         )
 
 
+def beam_candidates(seq: Sequence) -> int:
+    """Candidates a beam step ranks per beam: (1 + stop tokens) x width, at least 2 x width, as
+    in transformers, so that W candidates that do not end always remain."""
+    width = seq.sampling.beam_width
+    return (1 + max(1, len(seq.stop_ids))) * width if width > 1 else 0
+
+
 def _static_fields(seqs: list[Sequence]) -> dict[str, np.ndarray]:
     params = [s.sampling for s in seqs]
     return {
@@ -81,6 +88,5 @@ def _static_fields(seqs: list[Sequence]) -> dict[str, np.ndarray]:
         "top_k": np.array([p.top_k for p in params], dtype=np.int32),
         "seed": np.array([s.seed for s in seqs], dtype=np.uint64).view(np.int64),
         "prompt_lens": np.array([len(s.prompt_token_ids) for s in seqs], dtype=np.int32),
-        # A beam step ranks 2W candidates of every beam.
-        "num_logprobs": np.array([2 * p.beam_width if p.beam_width > 1 else 0 for p in params], dtype=np.int32),
+        "num_logprobs": np.array([beam_candidates(s) for s in seqs], dtype=np.int32),
     }

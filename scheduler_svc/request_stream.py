@@ -46,9 +46,9 @@ class RequestStream:
             swapped_bytes=g.swapped_blocks * self.block_bytes,
         )
 
-    def on_token(self, event: TokenEvent, scheduler: Scheduler) -> bool:
-        """Detokenize one event and send what the caller may see; returns whether the group ended."""
-        seq, reason, ended = event.seq, event.finish_reason, event.group_finished
+    def on_token(self, event: TokenEvent, scheduler: Scheduler) -> None:
+        """Detokenize one event and send what the caller may see."""
+        seq, reason = event.seq, event.finish_reason
         text_stream = self._texts.get(seq.seq_id)
         if text_stream is None:
             text_stream = self._texts[seq.seq_id] = TextStream(self.tokenizer, seq.prompt_token_ids, self.stop)
@@ -57,7 +57,7 @@ class RequestStream:
         if text_stream.matched_stop is not None:
             # Also when this token reached max_tokens: the stop string is why the text ends.
             if reason is None:
-                ended = scheduler.finish_seq(seq.seq_id, FinishReason.STOP_SEQUENCE)
+                scheduler.finish_seq(seq.seq_id, FinishReason.STOP_SEQUENCE)
             reason = seq.finish_reason = FinishReason.STOP_SEQUENCE
         elif reason is not None:
             text += text_stream.flush()
@@ -67,7 +67,6 @@ class RequestStream:
             self.queue.put_nowait(self._output(seq, [event.token_id], text, reason))
         else:
             self._buffered[seq.seq_id] = self._buffered.get(seq.seq_id, "") + text
-        return ended
 
     def finish(self) -> None:
         """The group ended: send the chosen outputs if they were held back, then close."""

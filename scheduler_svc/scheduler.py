@@ -72,6 +72,7 @@ class Scheduler:
         self._ids: Iterator[int] = itertools.count()
         self._next_step_id = 0
         self._in_flight: tuple[int, list[Sequence]] | None = None
+        self._last_preempt_step = -1
         self._planner = StepPlanner(self)
         self._builder = PlanBuilder(block_manager)
         # Sequence slots held by running groups (a group holds its widest count: best_of or beam width).
@@ -84,6 +85,11 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     # ---- queue changes (called by the engine loop between steps) ----
+
+    @property
+    def next_step_id(self) -> int:
+        """Id of the step being planned."""
+        return self._next_step_id
 
     def new_seq_id(self) -> int:
         return next(self._ids)
@@ -183,7 +189,9 @@ class Scheduler:
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
         seqs, query_lens = self._planner.pick()
-        if not seqs:
+        # An empty plan still carries pending block operations, and after a preemption it
+        # ends the step so that the preempted group can come back in the next one.
+        if not seqs and not self.block_manager.has_pending_ops and self._last_preempt_step != self._next_step_id:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -217,6 +225,7 @@ class Scheduler:
             seq.status = group.status
             seq.num_preemptions += 1
         group.num_preemptions += 1
+        group.preempted_step = self._last_preempt_step = self._next_step_id
         self.num_preemptions += 1
         return mode
 

@@ -38,6 +38,7 @@ class SequenceGroup:
     num_swaps: int = 0
     swapped_blocks: int = 0  # blocks moved either way
     prefix_hit_tokens: int = 0
+    preempted_step: int = -1  # step in which it was last preempted
     group_id: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,13 @@ class SequenceGroup:
     def max_seqs(self) -> int:
         """Sequences the group runs at its widest."""
         return max(self.sampling.best_of, self.sampling.beam_width)
+
+    def shared_prompt_blocks(self, block_size: int) -> int:
+        """Full blocks of the prompt that every sequence of the group holds in common.
+
+        The block with the last prompt token is excluded: forks write into it.
+        """
+        return (len(self.seqs[0].prompt_token_ids) - 1) // block_size
 
     @property
     def is_beam(self) -> bool:

@@ -97,7 +97,14 @@ class StepPlanner:
             self._fork_samples(group)
         rows: list[tuple[Sequence, int]] = []
         complete = True
-        for seq in group.live():
+        live = group.live()
+        for seq in live:
+            if seq is not live[0] and not self.bm.has_table(seq.seq_id):
+                # Recomputing a forked group: the first sequence recomputes the shared prompt
+                # alone; the others then share its blocks and compute only their own tails.
+                if not self._share_leader_prefix(group, live[0], seq):
+                    complete = False
+                    continue
             left = seq.num_tokens - seq.num_computed_tokens
             q = min(left, budget)
             if group.needs_fork:
@@ -112,6 +119,14 @@ class StepPlanner:
             capped = [(s, min(q, s.num_tokens - s.num_computed_tokens - 1)) for s, q in rows]
             rows = [(s, q) for s, q in capped if q > 0]
         return rows
+
+    def _share_leader_prefix(self, group: SequenceGroup, leader: Sequence, seq: Sequence) -> bool:
+        shared = group.shared_prompt_blocks(self.bm.block_size)
+        if leader.num_computed_tokens < shared * self.bm.block_size:
+            return False
+        self.bm.share_prefix(leader.seq_id, seq.seq_id, shared)
+        seq.num_computed_tokens = shared * self.bm.block_size
+        return True
 
     def _fork_samples(self, group: SequenceGroup) -> None:
         parent = group.seqs[0]
@@ -130,12 +145,22 @@ class StepPlanner:
     def _admission_need(self, group: SequenceGroup, budget: int) -> int:
         """Free blocks resuming or admitting `group` takes this step, at most."""
         bm = self.bm
-        ids = [s.seq_id for s in group.live()]
+        live = group.live()
         if group.status is SequenceStatus.SWAPPED:
-            # Its blocks, plus one per sequence so its next tokens do not evict it again.
-            return len(bm.unique_blocks(ids, host=True)) + len(ids)
+            # Its blocks, plus what its rows of this step add (at least one per sequence, so
+            # its next tokens do not evict it again at once).
+            need = len(bm.unique_blocks([s.seq_id for s in live], host=True))
+            for seq in live:
+                q = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                need += max(1, bm.blocks_for(seq.num_computed_tokens + q) - len(bm.host_table(seq.seq_id)))
+            return need
         need = 0
-        for seq in group.live():
+        if len(live) > 1:
+            # A recomputed forked group: the others' own tails, beyond the shared prompt.
+            shared = group.shared_prompt_blocks(bm.block_size)
+            need += sum(bm.blocks_for(s.num_tokens) - shared for s in live[1:])
+            live = live[:1]
+        for seq in live:
             hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
             start = len(hit) * bm.block_size
             left = seq.num_tokens - start
@@ -179,7 +204,8 @@ class StepPlanner:
         bm = self.bm
         while budget > 0:
             group = self._head()
-            if group is None or not self._fits(group, budget):
+            if group is None or group.preempted_step == self.s.next_step_id or not self._fits(group, budget):
+                # A group that gave its blocks back in this step does not take them back in it.
                 return
             if group.status is SequenceStatus.SWAPPED:
                 self.s.swapped.pop(0)
@@ -197,8 +223,9 @@ class StepPlanner:
                 budget -= self._take(rows, seqs, query_lens)
 
     def _attach_prefixes(self, group: SequenceGroup) -> None:
+        """Start the group's first sequence from its prefix-cache hit (the others follow it)."""
         bm = self.bm
-        for seq in group.live():
+        for seq in group.live()[:1]:
             hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
             bm.attach(seq.seq_id, hit)
             seq.num_computed_tokens = len(hit) * bm.block_size

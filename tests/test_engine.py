@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from common.config import SchedulerConfig
-from common.errors import Aborted, Unavailable
+from common.errors import Aborted, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
@@ -163,5 +163,51 @@ async def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(spec: M
         await drain
         outs = await in_flight
         assert outs[-1].finish_reason is FinishReason.LENGTH and len(outs) == 10
+    finally:
+        await engine.stop()
+
+
+class SeedScriptWorker(FakeWorker):
+    """The sample drawing with the request's own seed reads `first`, every other sample `other`."""
+
+    def __init__(self, spec: ModelSpec, seed: int, first: list[int], other: list[int]) -> None:
+        super().__init__(spec, first)
+        self.seed, self.first, self.other = seed, first, other
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        tokens = [
+            (self.first if int(plan.sampling.seed[i]) == self.seed else self.other)[int(plan.sampling.output_position[i])]
+            if plan.sample[i] else -1
+            for i in range(plan.num_seqs)
+        ]
+        return StepResult(plan.step_id, np.array(tokens, np.int32)), StepTiming(0, 0.0, 0.0)
+
+
+async def test_every_sample_gets_its_final_message_when_a_sibling_stops_in_the_same_step(
+    spec: ModelSpec, tokenizer: Tokenizer
+) -> None:
+    # Step 2: sample 0 completes the stop string "beta", sample 1 emits eos. Both must end.
+    first = tokenizer.encode(" alpha beta")
+    eos = min(spec.eos_token_ids)
+    engine = await started(spec, tokenizer, SeedScriptWorker(spec, 123, first, [first[0], eos]))
+    try:
+        outs = await run(engine, n=2, temperature=1.0, seed=123, stop=("beta",))
+        finals = {o.index: o.finish_reason for o in outs if o.finish_reason is not None}
+        assert finals == {0: FinishReason.STOP_SEQUENCE, 1: FinishReason.STOP}
+        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_width_beyond_the_servers_batch_is_refused(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    engine = Engine(spec, tokenizer, SchedulerConfig(max_num_seqs=2), FakeWorker(spec, [300]))  # type: ignore[arg-type]
+    engine.start()
+    try:
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        with pytest.raises(InvalidArgument, match="max-num-seqs"):
+            await run(engine, n=3, temperature=1.0)
+        with pytest.raises(InvalidArgument, match="beam_width"):
+            await run(engine, beam_width=3)
     finally:
         await engine.stop()

@@ -326,3 +326,43 @@ def test_group_slots_count_against_max_num_seqs() -> None:
     s.update(plan, fake_execute(plan))
     drive(s)
     assert all(seq.num_output_tokens == 3 for seq in b.seqs)
+
+
+@pytest.mark.parametrize("width", [{"best_of": 4, "n": 2, "temperature": 1.0, "seed": 5}, {"beam_width": 3}])
+def test_a_forked_group_recomputed_under_pressure_comes_back_sharing_its_prompt(width: dict) -> None:
+    # 30 blocks, no swap space: the forked group (4 x 40-token prompts would need 40+ blocks
+    # unshared) must recompute the prompt once and share it again, or it never fits.
+    alone = make_scheduler(num_blocks=128)
+    ref = make_group(alone, prompt_of(0, 40), 8, 0, priority=1, **width)
+    drive(alone)
+    s = make_scheduler(num_blocks=30, num_cpu_blocks=0)
+    group = make_group(s, prompt_of(0, 40), 8, 0, priority=1, **width)
+    for _ in range(4):
+        plan = s.schedule()
+        assert plan is not None
+        s.update(plan, fake_execute(plan))
+    urgent = make_group(s, prompt_of(1, 56), 8, 1, priority=0)
+    later = make_group(s, prompt_of(2, 8), 4, 2, priority=1)
+    drive(s, max_steps=300)
+    assert group.num_preemptions >= 1 and s.num_recompute_preemptions >= 1
+    assert urgent.is_finished and later.is_finished
+    if group.beam is not None:
+        assert ref.beam is not None
+        assert [h.output_token_ids for h in group.beam.pool] == [h.output_token_ids for h in ref.beam.pool]
+    else:
+        assert [q.output_token_ids for q in group.seqs] == [q.output_token_ids for q in ref.seqs]
+
+
+def test_a_group_that_preempts_itself_comes_back_in_a_later_step() -> None:
+    s = make_scheduler(num_blocks=30, num_cpu_blocks=0)
+    group = make_group(s, prompt_of(0, 40), 8, 0, best_of=4, n=4, temperature=1.0, seed=1)
+    for _ in range(4):
+        plan = s.schedule()
+        assert plan is not None
+        s.update(plan, fake_execute(plan))
+    s.preempt(group)  # as if the step had no room left for it
+    plan = s.schedule()
+    assert plan is not None and plan.num_seqs == 0  # the step ends; nothing waits forever
+    s.update(plan, fake_execute(plan))
+    drive(s)
+    assert all(q.num_output_tokens == 8 for q in group.seqs)
