@@ -71,6 +71,11 @@ class BlockManager:
         """Blocks a sequence of `num_tokens` tokens occupies."""
         return -(-num_tokens // self.block_size)
 
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """Device tables by sequence id, read-only: the planner's decode fast path reads them."""
+        return self._tables
+
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
@@ -321,6 +326,8 @@ class BlockManager:
     def _release_row(self, seq_id: int) -> None:
         row = self._rows.pop(seq_id, None)
         if row is not None:
+            # A spare row is all -1, so a row never shows ids past its own table's end.
+            self._array[row].fill(-1)
             self._spare_rows.append(row)
             self.rows_epoch += 1
 
@@ -328,12 +335,10 @@ class BlockManager:
         return np.array([self._rows[s] for s in seq_ids], dtype=np.int64)
 
     def tables_at(self, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """int32 [len(rows), max(lens)]: the first lens[i] blocks of mirror row rows[i], then -1."""
+        """int32 [len(rows), max(lens)]: mirror rows rows[i], which hold lens[i] blocks, then -1."""
         width = int(lens.max()) if len(rows) else 0
-        out = self._array[rows, :width]
-        # Stale ids past each table's end become -1, never someone else's block.
-        out[np.arange(width)[None, :] >= lens[:, None]] = -1
-        return out
+        # Rows hold -1 past each table's end (see _release_row), never someone else's block.
+        return self._array[rows, :width]
 
     def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
         """int32 [len(seq_ids), width] of the sequences' whole tables, padded with -1."""
@@ -355,5 +360,6 @@ class BlockManager:
         if set(self._tables) & set(self._host):
             raise AssertionError("a sequence holds both device and host blocks")
         for seq_id, table in self._tables.items():
-            if list(self._array[self._rows[seq_id], : len(table)]) != table:
+            row = self._array[self._rows[seq_id]]
+            if list(row[: len(table)]) != table or (row[len(table):] != -1).any():
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")

@@ -257,19 +257,19 @@ class Scheduler:
         sampled = result.sampled_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs.shape[0] == len(seqs) else [0.0] * len(seqs)
         beam_rows: dict[SequenceGroup, list[int]] = {}
+        running = SequenceStatus.RUNNING
         for i, seq in enumerate(seqs):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
             c = seq.num_computed_tokens
-            seq.num_computed_tokens = c + query_lens[i]
-            if (c + query_lens[i]) // bs != c // bs:  # a block filled up: index it
-                bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            e = seq.num_computed_tokens = c + query_lens[i]
+            if e // bs != c // bs:  # a block filled up: index it
+                bm.commit(seq.seq_id, seq.token_ids, e)
             if not sample[i]:
                 continue
-            group = seq.group
-            assert group is not None
-            if group.beam is not None:
-                beam_rows.setdefault(group, []).append(i)
+            if seq.sampling.beam_width > 1:
+                assert seq.group is not None
+                beam_rows.setdefault(seq.group, []).append(i)
                 continue
             token, logprob = sampled[i], logprobs[i]
             seq.token_ids.append(token)

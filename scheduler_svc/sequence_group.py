@@ -40,10 +40,13 @@ class SequenceGroup:
     prefix_hit_tokens: int = 0
     preempted_step: int = -1  # step in which it was last preempted
     group_id: int = field(init=False)
+    width: int = field(init=False)
 
     def __post_init__(self) -> None:
         # The first sequence's id names the group for good, even after beams drop it.
         self.group_id = self.seqs[0].seq_id
+        # Read for every row of every step: a plain attribute, not a computed property.
+        self.width = max(self.sampling.best_of, self.sampling.beam_width)
         for seq in self.seqs:
             seq.group = self
 
@@ -60,7 +63,7 @@ class SequenceGroup:
     @property
     def max_seqs(self) -> int:
         """Sequences the group runs at its widest."""
-        return max(self.sampling.best_of, self.sampling.beam_width)
+        return self.width
 
     def shared_prompt_blocks(self, block_size: int) -> int:
         """Full blocks of the prompt that every sequence of the group holds in common.

@@ -45,19 +45,24 @@ class StepPlanner:
         preempted = False
         i = 0
         running = self.s.running
+        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
         while i < len(running) and budget > 0:
             group = running[i]
-            if group.max_seqs == 1:
+            if group.width == 1:
                 # Fast path, most rows of most steps: a decode whose token lands in a block the
-                # sequence already owns alone needs no allocation and no check.
+                # sequence already owns alone needs no allocation and no check
+                # (BlockManager.can_append_in_place, inlined: this runs 256 times a step).
                 seq = group.seqs[0]
                 c = seq.num_computed_tokens
-                if seq.num_tokens - c == 1 and bm.can_append_in_place(seq.seq_id, c):
-                    seqs.append(seq)
-                    query_lens.append(1)
-                    budget -= 1
-                    i += 1
-                    continue
+                if len(seq.token_ids) - c == 1:
+                    table = tables[seq.seq_id]
+                    k = c // bs
+                    if k < len(table) and ref[table[k]] == 1:
+                        seqs.append(seq)
+                        query_lens.append(1)
+                        budget -= 1
+                        i += 1
+                        continue
             rows = self._rows(group, budget)
             need = self._blocks_needed(rows)
             while need > bm.num_free_blocks:
