@@ -107,7 +107,8 @@ def prompts(smollm2_dir: Path) -> list[str]:
     return chats + RAW
 
 
-def reference_greedy(model_dir: Path, prompts: list[str]) -> list[tuple[int, list[int]]]:
+def reference(model_dir: Path, prompts: list[str], **generate: object) -> list[tuple[int, list[int]]]:
+    """(prompt length, generated ids) of transformers' `generate` in float32, per prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,7 +118,7 @@ def reference_greedy(model_dir: Path, prompts: list[str]) -> list[tuple[int, lis
     with torch.inference_mode():
         for prompt in prompts:
             ids = tok(prompt, return_tensors="pt").input_ids
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **generate)
             out.append((ids.shape[1], gen[0, ids.shape[1]:].tolist()))
     return out
 
@@ -129,7 +130,7 @@ def test_greedy_equals_transformers_for_concurrent_prompts(up: Up, smollm2_dir: 
             return await asyncio.gather(*(collect(stub, request(p, max_tokens=MAX_NEW)) for p in prompts))
 
     ours = asyncio.run(run())
-    want = reference_greedy(smollm2_dir, prompts)
+    want = reference(smollm2_dir, prompts, max_new_tokens=MAX_NEW)
     for prompt, gen, (prompt_len, ref_tokens) in zip(prompts, ours, want):
         assert gen.final.prompt_tokens == prompt_len, prompt
         assert gen.token_ids == ref_tokens, f"differs for {prompt!r}"
@@ -138,24 +139,6 @@ def test_greedy_equals_transformers_for_concurrent_prompts(up: Up, smollm2_dir: 
 
 
 BEAM_NEW = 16
-
-
-def reference_beam(model_dir: Path, prompts: list[str], width: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=BEAM_NEW, num_beams=width,
-                do_sample=False, length_penalty=1.0, early_stopping=False,
-            )
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
 
 
 def test_beam_search_equals_transformers_beam_search(up: Up, smollm2_dir: Path, prompts: list[str]) -> None:
@@ -167,8 +150,8 @@ def test_beam_search_equals_transformers_beam_search(up: Up, smollm2_dir: Path, 
             return await asyncio.gather(*(collect(stub, request(p, max_tokens=BEAM_NEW, beam_width=4)) for p in chosen))
 
     ours = asyncio.run(run())
-    want = reference_beam(smollm2_dir, chosen, 4)
-    for prompt, gen, ref in zip(chosen, ours, want):
+    want = reference(smollm2_dir, chosen, max_new_tokens=BEAM_NEW, num_beams=4, length_penalty=1.0, early_stopping=False)
+    for prompt, gen, (_, ref) in zip(chosen, ours, want):
         assert len(gen.messages) == 1 and gen.final.index == 0
         assert gen.token_ids == ref, f"best beam differs for {prompt!r}"
 
