@@ -164,7 +164,7 @@ def run_kernel_tests() -> dict[str, Any]:
         import pytest  # noqa: F401
     except ImportError:
         return {"returncode": 0, "summary": ["skipped: pytest is not installed here"], "seconds": 0.0, "output_tail": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_runner.py",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_runner.py", "tests/test_block_ops.py",
            "tests/test_model_forward.py", "--full-kernels"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)

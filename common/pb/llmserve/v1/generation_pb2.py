@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.llmserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\t\n\x01n\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\r\x12\x12\n\nbeam_width\x18\x07 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x08 \x01(\x02H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x11\n\x0f_length_penalty\"`\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\x08 \x01(\x01\x12(\n\x05stats\x18\t \x01(\x0b\x32\x19.llmserve.v1.RequestStats\"r\n\x0cRequestStats\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x01 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x02 \x01(\r\x12\x11\n\tnum_swaps\x18\x03 \x01(\r\x12\x15\n\rswapped_bytes\x18\x04 \x01(\x04*\xa2\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.llmserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12*\n\x08messages\x18\x07 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"\xe7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\t\n\x01n\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\r\x12\x12\n\nbeam_width\x18\x07 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x03\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x11\n\x0f_length_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x98\x01\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"\xa6\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\x08 \x01(\x01\x12(\n\x05stats\x18\t \x01(\x0b\x32\x19.llmserve.v1.RequestStats\x12+\n\x08logprobs\x18\n \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x15\n\rstop_sequence\x18\x0c \x01(\t\x12\x1a\n\rstop_token_id\x18\r \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.llmserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"\x83\x01\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xbc\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12*\n\x06limits\x18\x07 \x01(\x0b\x32\x1a.llmserve.v1.RequestLimits\"\x80\x01\n\rRequestLimits\x12\x19\n\x11max_prompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x02 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x03 \x01(\r\x12\r\n\x05max_n\x18\x04 \x01(\r\x12\x15\n\rmax_queue_len\x18\x05 \x01(\r\"\x10\n\x0eGetLoadRequest\"g\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12,\n\x06groups\x18\x04 \x03(\x0b\x32\x1c.llmserve.v1.WorkerGroupLoad\"\x95\x01\n\x0fWorkerGroupLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x17\n\x0f\x66ree_gpu_blocks\x18\x03 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x04 \x01(\r\x12\x17\n\x0f\x66ree_cpu_blocks\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\"r\n\x0cRequestStats\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x01 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x02 \x01(\r\x12\x11\n\tnum_swaps\x18\x03 \x01(\r\x12\x15\n\rswapped_bytes\x18\x04 \x01(\x04*\xa2\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32\xb4\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .llmserve.v1.GetModelInfoRequest\x1a\x16.llmserve.v1.ModelInfo\x12\x39\n\x07GetLoad\x12\x1b.llmserve.v1.GetLoadRequest\x1a\x11.llmserve.v1.LoadB*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,18 +32,52 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.generation_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016io.llmserve.v1P\001Z\026llmserve/v1;llmservev1'
-  _globals['_FINISHREASON']._serialized_start=909
-  _globals['_FINISHREASON']._serialized_end=1071
-  _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=239
-  _globals['_SAMPLINGPARAMS']._serialized_start=242
-  _globals['_SAMPLINGPARAMS']._serialized_end=433
-  _globals['_STOPPINGCRITERIA']._serialized_start=435
-  _globals['_STOPPINGCRITERIA']._serialized_end=531
-  _globals['_GENERATERESPONSE']._serialized_start=534
-  _globals['_GENERATERESPONSE']._serialized_end=790
-  _globals['_REQUESTSTATS']._serialized_start=792
-  _globals['_REQUESTSTATS']._serialized_end=906
-  _globals['_GENERATION']._serialized_start=1073
-  _globals['_GENERATION']._serialized_end=1160
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2670
+  _globals['_FINISHREASON']._serialized_end=2832
+  _globals['_CHATMESSAGE']._serialized_start=45
+  _globals['_CHATMESSAGE']._serialized_end=89
+  _globals['_GENERATEREQUEST']._serialized_start=92
+  _globals['_GENERATEREQUEST']._serialized_end=329
+  _globals['_SAMPLINGPARAMS']._serialized_start=332
+  _globals['_SAMPLINGPARAMS']._serialized_end=819
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=710
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=758
+  _globals['_STOPPINGCRITERIA']._serialized_start=822
+  _globals['_STOPPINGCRITERIA']._serialized_end=974
+  _globals['_GENERATERESPONSE']._serialized_start=977
+  _globals['_GENERATERESPONSE']._serialized_end=1399
+  _globals['_TOKENLOGPROB']._serialized_start=1401
+  _globals['_TOKENLOGPROB']._serialized_end=1488
+  _globals['_TOPLOGPROB']._serialized_start=1490
+  _globals['_TOPLOGPROB']._serialized_end=1537
+  _globals['_ABORTREQUEST']._serialized_start=1539
+  _globals['_ABORTREQUEST']._serialized_end=1574
+  _globals['_ABORTRESPONSE']._serialized_start=1576
+  _globals['_ABORTRESPONSE']._serialized_end=1608
+  _globals['_TOKENIZEREQUEST']._serialized_start=1611
+  _globals['_TOKENIZEREQUEST']._serialized_end=1742
+  _globals['_TOKENIZERESPONSE']._serialized_start=1744
+  _globals['_TOKENIZERESPONSE']._serialized_end=1797
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1799
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1895
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1897
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1931
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1933
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1954
+  _globals['_MODELINFO']._serialized_start=1957
+  _globals['_MODELINFO']._serialized_end=2145
+  _globals['_REQUESTLIMITS']._serialized_start=2148
+  _globals['_REQUESTLIMITS']._serialized_end=2276
+  _globals['_GETLOADREQUEST']._serialized_start=2278
+  _globals['_GETLOADREQUEST']._serialized_end=2294
+  _globals['_LOAD']._serialized_start=2296
+  _globals['_LOAD']._serialized_end=2399
+  _globals['_WORKERGROUPLOAD']._serialized_start=2402
+  _globals['_WORKERGROUPLOAD']._serialized_end=2551
+  _globals['_REQUESTSTATS']._serialized_start=2553
+  _globals['_REQUESTSTATS']._serialized_end=2667
+  _globals['_GENERATION']._serialized_start=2835
+  _globals['_GENERATION']._serialized_end=3271
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,31 @@ class GenerationStub:
                 request_serializer=llmserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/llmserve.v1.Generation/Abort',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmserve.v1.Generation/Tokenize',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmserve.v1.Generation/Detokenize',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/llmserve.v1.Generation/GetModelInfo',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/llmserve.v1.Generation/GetLoad',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.Load.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -55,6 +80,43 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Abort in-flight requests by request_id and free their KV blocks within one engine step.
+        Idempotent: ids that are unknown or already finished are ignored. Their Generate streams
+        end with status CANCELLED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Token ids of a text (or of chat messages rendered with the model's chat template).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """The served model and the limits this deployment enforces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """Queue lengths and KV-cache usage, for load balancers and autoscalers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +124,31 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.Load.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +179,141 @@ class Generation:
             '/llmserve.v1.Generation/Generate',
             llmserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             llmserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Abort',
+            llmserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Tokenize',
+            llmserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Detokenize',
+            llmserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/GetModelInfo',
+            llmserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/GetLoad',
+            llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.Load.FromString,
             options,
             channel_credentials,
             insecure,
