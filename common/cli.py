@@ -30,6 +30,8 @@ from common.config import (
     CacheConfig,
     SchedulerConfig,
     ServerConfig,
+    TlsClientConfig,
+    TlsConfig,
     WorkerConfig,
 )
 from common.supervisor import Supervised, exit_with_parent
@@ -47,6 +49,29 @@ def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port; 0 = off (default)")
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", default=None,
+        help="PEM CA bundle: require client certificates signed by it (mutual TLS; needs --tls-cert)",
+    )
+    p.add_argument("--no-reflection", action="store_true", help="do not serve gRPC reflection (health stays on)")
+
+
+def _add_worker_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--worker-tls-ca", default=None,
+        help="PEM CA bundle the worker's certificate must chain to; any --worker-tls-* flag turns TLS to the worker on",
+    )
+    p.add_argument("--worker-tls-cert", default=None, help="PEM client certificate for a worker that demands one (mutual TLS)")
+    p.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
+    p.add_argument(
+        "--worker-tls-server-name", default=None,
+        help="name the worker's certificate is checked against, when it differs from the --worker host",
+    )
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -71,6 +96,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "--recompute-tokens-per-s", type=float, default=8000.0,
         help="prefill speed the recompute cost assumes, tokens/s (default 8000)",
     )
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt accepted; 0 = up to the context")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request (default 16)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (default 20)")
+    p.add_argument("--max-n", type=int, default=16, help="most outputs, best_of candidates or beams per request (default 16)")
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -98,14 +127,17 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the scheduler and one worker locally")
     _add_model_flags(up)
     _add_server_flags(up, 50051)
+    _add_security_flags(up)
     _add_scheduler_flags(up)
     _add_worker_flags(up)
 
     sched = sub.add_parser("scheduler", help="run the scheduler service alone")
     _add_model_flags(sched)
     _add_server_flags(sched, 50051)
+    _add_security_flags(sched)
     _add_scheduler_flags(sched)
     sched.add_argument("--worker", required=True, help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock")
+    _add_worker_tls_flags(sched)
     sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
 
     worker = sub.add_parser("worker", help="run one worker service alone")
@@ -113,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:///path)")
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
+    _add_security_flags(worker)
     _add_worker_flags(worker)
 
     gen = sub.add_parser("generate", help="stream one generation from a running service")
@@ -171,6 +205,33 @@ async def _serve(server: _Service, stop: asyncio.Event) -> None:
         await server.stop()
 
 
+def _tls_config(a: argparse.Namespace) -> TlsConfig | None:
+    if a.tls_cert is None and a.tls_key is None:
+        if a.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS runs inside TLS")
+        return None
+    if a.tls_cert is None or a.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    return TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca)
+
+
+def _worker_tls_config(a: argparse.Namespace) -> TlsClientConfig | None:
+    paths = (a.worker_tls_ca, a.worker_tls_cert, a.worker_tls_key, a.worker_tls_server_name)
+    if all(p is None for p in paths):
+        return None
+    if (a.worker_tls_cert is None) != (a.worker_tls_key is None):
+        raise ValueError("--worker-tls-cert and --worker-tls-key go together: give both or neither")
+    return TlsClientConfig(
+        ca=a.worker_tls_ca, cert=a.worker_tls_cert, key=a.worker_tls_key, server_name=a.worker_tls_server_name
+    )
+
+
+def _server_config(a: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=a.host, port=a.port, metrics_port=a.metrics_port, tls=_tls_config(a), reflection=not a.no_reflection
+    )
+
+
 def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=a.max_num_seqs,
@@ -180,6 +241,10 @@ def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         preemption_mode=a.preemption_mode,
         swap_bandwidth_gbps=a.swap_bandwidth_gbps,
         recompute_tokens_per_s=a.recompute_tokens_per_s,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_stop_strings=a.max_stop_strings,
+        max_logprobs=a.max_logprobs,
+        max_n=a.max_n,
     )
 
 
@@ -200,6 +265,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
 def cmd_scheduler(a: argparse.Namespace) -> None:
     from scheduler_svc.server import SchedulerServer
 
+    server_config, worker_tls = _server_config(a), _worker_tls_config(a)
     model = _model_dir(a.model)
 
     async def body(stop: asyncio.Event) -> None:
@@ -207,9 +273,10 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
         server = SchedulerServer(
             model,
             a.worker,
-            ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
+            server_config,
             _scheduler_config(a),
             step_timeout=a.step_timeout,
+            worker_tls=worker_tls,
         )
         await _serve(server, stop)
 
@@ -221,13 +288,18 @@ def cmd_worker(a: argparse.Namespace) -> None:
 
     if a.parent_pid is not None:
         exit_with_parent(a.parent_pid)
-    server = WorkerServer(_worker_config(a, _model_dir(a.model)), a.listen)
+    tls = _tls_config(a)
+    server = WorkerServer(
+        _worker_config(a, _model_dir(a.model)), a.listen, tls=tls, reflection=not a.no_reflection,
+        metrics_port=a.metrics_port,
+    )
     _run_until_signal(lambda stop: _serve(server, stop))
 
 
 def cmd_up(a: argparse.Namespace) -> None:
     from scheduler_svc.server import SchedulerServer
 
+    server_config = _server_config(a)
     model = _model_dir(a.model)
     _worker_config(a, model)  # validate worker flags before starting anything
     sockdir = tempfile.mkdtemp(prefix="llmserve-")
@@ -245,16 +317,16 @@ def cmd_up(a: argparse.Namespace) -> None:
     worker_cmd += ["--swap-space-gb", str(a.swap_space_gb)]
     if a.num_cpu_blocks is not None:
         worker_cmd += ["--num-cpu-blocks", str(a.num_cpu_blocks)]
+    if a.no_reflection:
+        worker_cmd += ["--no-reflection"]
+    # The TLS flags secure the public scheduler port only. The worker's socket lies in a
+    # mkdtemp directory (mode 0700) that only this user's processes can enter, and nothing
+    # but our own scheduler dials it, so TLS there would cost handshakes and guard nothing.
 
     async def body(stop: asyncio.Event) -> None:
         worker = Supervised(worker_cmd)
         worker.start()
-        server = SchedulerServer(
-            model,
-            address,
-            ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
-            _scheduler_config(a),
-        )
+        server = SchedulerServer(model, address, server_config, _scheduler_config(a))
         await server.start()
         try:
             while not stop.is_set():

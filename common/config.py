@@ -7,6 +7,7 @@ Built at the entry points (CLI, tests) and passed explicitly. Capacity discovere
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -62,6 +63,11 @@ class SchedulerConfig:
     swap_bandwidth_gbps: float = 16.0
     # Prefill speed for recomputing a preempted sequence, tokens/s.
     recompute_tokens_per_s: float = 8000.0
+    # Per-request limits (INVALID_ARGUMENT beyond them). 0 prompt tokens = up to the context.
+    max_prompt_tokens: int = 0
+    max_stop_strings: int = 16
+    max_logprobs: int = 20
+    max_n: int = 16
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
@@ -72,6 +78,9 @@ class SchedulerConfig:
         )
         _require(self.swap_bandwidth_gbps > 0, "swap_bandwidth_gbps must be positive")
         _require(self.recompute_tokens_per_s > 0, "recompute_tokens_per_s must be positive")
+        for name in ("max_prompt_tokens", "max_stop_strings", "max_logprobs", "max_n"):
+            _require(getattr(self, name) >= 0, f"{name} must not be negative")
+        _require(self.max_n >= 1, "max_n must be at least 1")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
 
@@ -102,6 +111,52 @@ class WorkerConfig:
         )
 
 
+def _require_file(path: str, what: str) -> None:
+    # Checked here so a wrong path fails at startup with its name, not inside a TLS handshake.
+    _require(Path(path).is_file(), f"{what} {path!r} is not a file")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Server side of TLS: the service's certificate chain and key (PEM files).
+
+    With client_ca the service demands a client certificate that chains to it (mutual TLS).
+    """
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.cert) and bool(self.key), "TLS needs both a certificate and a key")
+        _require_file(self.cert, "TLS certificate")
+        _require_file(self.key, "TLS key")
+        if self.client_ca is not None:
+            _require_file(self.client_ca, "TLS client CA")
+
+
+@dataclass(frozen=True)
+class TlsClientConfig:
+    """Client side of TLS, for the scheduler's channel to a worker (PEM files).
+
+    ca None trusts the system roots; cert and key present a client certificate (mutual TLS).
+    server_name overrides the name the worker's certificate is checked against, for
+    certificates whose SAN differs from the host in the worker address.
+    """
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _require((self.cert is None) == (self.key is None), "a TLS client certificate needs its key, and a key its certificate")
+        for path, what in ((self.ca, "TLS CA"), (self.cert, "TLS client certificate"), (self.key, "TLS client key")):
+            if path is not None:
+                _require_file(path, what)
+        _require(self.server_name is None or bool(self.server_name), "TLS server name must not be empty")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Where a service listens."""
@@ -112,6 +167,11 @@ class ServerConfig:
     metrics_port: int = 0
     # Seconds in-flight calls get to finish on shutdown.
     grace_seconds: float = 5.0
+    # None: plaintext.
+    tls: TlsConfig | None = None
+    # Server reflection lets grpcurl list and call the API without the .proto files; some
+    # deployments do not want the API surface discoverable. Health stays on either way.
+    reflection: bool = True
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must lie in [0, 65535], got {self.port}")

@@ -33,3 +33,7 @@ class Aborted(LlmserveError):
 
 class Unimplemented(LlmserveError):
     """A parameter that is not supported yet."""
+
+
+class Cancelled(LlmserveError):
+    """The request was aborted by an Abort call."""

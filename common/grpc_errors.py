@@ -18,6 +18,7 @@ STATUS_OF: dict[type[errors.LlmserveError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
 }
 
 

@@ -39,6 +39,27 @@ class SamplingBatch:
     # How many most likely alternatives to return with the sampled token's log-probability
     # (0 = none); beam search asks for 2 * beam_width.
     num_logprobs: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Logits processing; empty arrays mean "off for every sequence".
+    min_p: F32 = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_seqs], 0 = off
+    repetition_penalty: F32 = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_seqs], 1 = off
+    presence_penalty: F32 = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_seqs]
+    frequency_penalty: F32 = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_seqs]
+    # Ragged per sequence: sequence i adds bias_values[o[i]:o[i+1]] to the logits of
+    # bias_token_ids[o[i]:o[i+1]], o = bias_offsets [num_seqs + 1]. -inf bans a token
+    # (min_tokens bans eos and stop tokens this way).
+    bias_offsets: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    bias_token_ids: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    bias_values: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
+    # Ragged per sequence: the tokens so far (prompt then output) of penalized sequences, empty
+    # for the others; the last output_position of them are the output. The worker keeps no
+    # history, so penalties work from this alone.
+    history_offsets: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    history_token_ids: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Prompt log-probabilities: alternatives wanted per sequence, -1 = none (empty = none
+    # anywhere). Each fed position's next prompt token is scored; for the chunk's last
+    # position that is prompt_next_token (-1 when the chunk ends the prompt).
+    prompt_logprobs: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_next_token: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @classmethod
     def empty(cls) -> SamplingBatch:
@@ -96,8 +117,19 @@ class StepPlan:
         for name in ("temperature", "top_p", "top_k", "seed", "output_position"):
             if getattr(self.sampling, name).shape != (n,):
                 raise ValueError(f"plan.sampling.{name} must have one entry per sequence")
-        if self.sampling.num_logprobs.shape not in ((n,), (0,)):
-            raise ValueError("plan.sampling.num_logprobs must have one entry per sequence, or none")
+        for name in ("num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "prompt_logprobs", "prompt_next_token"):
+            if getattr(self.sampling, name).shape not in ((n,), (0,)):
+                raise ValueError(f"plan.sampling.{name} must have one entry per sequence, or none")
+        for prefix in ("bias", "history"):
+            offsets = getattr(self.sampling, f"{prefix}_offsets")
+            if offsets.size == 0:
+                continue
+            values = getattr(self.sampling, f"{prefix}_token_ids")
+            if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != values.size or (np.diff(offsets) < 0).any():
+                raise ValueError(f"plan.sampling.{prefix}_offsets must be [num_seqs + 1] rising from 0 to the data length")
+        if self.sampling.bias_values.shape != self.sampling.bias_token_ids.shape:
+            raise ValueError("plan.sampling.bias_values must match bias_token_ids")
         for name in ("swap_out", "swap_in", "copy"):
             ops = getattr(self, name)
             if ops.ndim != 2 or ops.shape[1] != 2:
@@ -117,3 +149,10 @@ class StepResult:
     # best first; rows that asked for fewer are padded with -1 and -inf.
     top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Prompt log-probabilities, ragged: sequence i's scored prompt tokens are entries
+    # [o[i], o[i+1]) of the arrays below, in position order; o = prompt_offsets [num_seqs + 1]
+    # (empty when no sequence asked). Top arrays are [entries, K], padded with -1 / -inf.
+    prompt_offsets: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
+    prompt_top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    prompt_top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))

@@ -18,11 +18,11 @@ REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "protos"
 OUT = REPO / "common" / "pb"
 
-_IMPORT = re.compile(r"^from llmserve\.v1 import ", re.MULTILINE)
+_IMPORT = re.compile(r"^from (llmserve\.v1|fmaas) import ", re.MULTILINE)  # fmaas: the TGIS API
 
 
 def proto_files() -> list[Path]:
-    return sorted(PROTO_ROOT.glob("llmserve/**/*.proto"))
+    return sorted(PROTO_ROOT.glob("**/*.proto"))
 
 
 def generate(out: Path = OUT) -> list[Path]:
@@ -44,7 +44,7 @@ def generate(out: Path = OUT) -> list[Path]:
         raise RuntimeError("protoc failed: " + " ".join(args))
     written = []
     for path in sorted(out.rglob("*.py*")):
-        text = _IMPORT.sub("from common.pb.llmserve.v1 import ", path.read_text())
+        text = _IMPORT.sub(r"from common.pb.\1 import ", path.read_text())
         path.write_text(text)
         written.append(path)
     for pkg in [out, *(p for p in out.rglob("*") if p.is_dir())]:

@@ -23,12 +23,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from common.config import SchedulerConfig
-from common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
+from common.errors import Aborted, Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from common.model_spec import ModelSpec
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine_stats import EngineStats
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.load import GroupLoad, Load, ModelInfo
 from scheduler_svc.request import (
     GenerationRequest,
     Limits,
@@ -61,16 +63,18 @@ class Engine:
         metrics: SchedulerMetrics | None = None,
         on_ready: Callable[[bool], Awaitable[None]] | None = None,
         connect_timeout: float = 30.0,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.config = config
         self.worker = worker
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._on_ready = on_ready
         self._connect_timeout = connect_timeout
         self.scheduler: Scheduler | None = None
-        self.limits = Limits.of(spec)
+        self.limits = Limits.of(spec, config)
         self._inbox: _Inbox = []
         self._wake = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -123,7 +127,7 @@ class Engine:
                 await self.worker.close()
                 await asyncio.sleep(5.0)
                 continue
-            self.limits = Limits(vocab_size=self.spec.vocab_size, max_model_len=min(self.spec.max_model_len, info.max_model_len))
+            self.limits = Limits.of(self.spec, self.config, min(self.spec.max_model_len, info.max_model_len))
             self._reported = (0, 0, 0)
             self._block_bytes = info.block_bytes
             self.scheduler = Scheduler(
@@ -221,7 +225,7 @@ class Engine:
         if scheduler is None:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         check_fields(req, self.limits)
-        tokens = list(req.prompt_token_ids) or self.tokenizer.encode(req.prompt)
+        tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
         check_length(len(tokens), req.max_tokens, self.limits)
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self._streams:
@@ -257,7 +261,7 @@ class Engine:
             arrival=arrival,
         )
         group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
-        stream = RequestStream(group, self.tokenizer, tuple(req.stop), self._block_bytes)
+        stream = RequestStream(group, self.tokenizer, self._block_bytes)
         self._streams[request_id] = stream
         self._inbox.append(group)
         self._wake.set()
@@ -273,6 +277,53 @@ class Engine:
             beam_width=sampling.beam_width,
         )
         return stream
+
+    def prompt_tokens(self, text: str, token_ids: tuple[int, ...], messages: tuple[tuple[str, str], ...]) -> list[int]:
+        """The prompt's token ids, from whichever of the three forms was given."""
+        if token_ids:
+            return list(token_ids)
+        if messages:
+            if self.chat_template is None:
+                raise InvalidArgument("messages", f"model {self.spec.name!r} has no chat template; send a prompt")
+            # The rendered conversation holds its special tokens already.
+            return self.tokenizer.encode(self.chat_template.render(list(messages)), add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    def model_info(self) -> ModelInfo:
+        block_size = self.scheduler.block_manager.block_size if self.scheduler is not None else 0
+        return ModelInfo(
+            model_name=self.spec.name,
+            max_model_len=self.limits.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=tuple(sorted(self.spec.eos_token_ids)),
+            block_size=block_size,
+            has_chat_template=self.chat_template is not None,
+            limits=self.limits,
+            max_queue_len=self.config.max_queue_len,
+        )
+
+    def load(self) -> Load | None:
+        """Queue lengths and KV usage; None while no worker is ready."""
+        sched = self.scheduler
+        if sched is None:
+            return None
+        bm = sched.block_manager
+        group = GroupLoad(self.worker.address, bm.num_blocks, bm.num_free_blocks, bm.cpu.num_blocks, bm.cpu.num_free, sched.num_running)
+        return Load(sched.num_running, sched.num_waiting, sched.num_swapped, (group,))
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Abort in-flight requests by id (their streams end CANCELLED); unknown ids are ignored."""
+        aborted = []
+        for request_id in dict.fromkeys(request_ids):
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.aborted:
+                stream.aborted = True
+                stream.fail(Cancelled(f"request {request_id!r} was aborted by an Abort call"))
+                self._abort(stream)
+                aborted.append(request_id)
+        if aborted:
+            log.info("requests_aborted", request_ids=aborted)
+        return aborted
 
     def _abort(self, stream: RequestStream) -> None:
         """Abort a request (client cancel or deadline); its blocks are freed at the next step.
@@ -306,6 +357,7 @@ class Engine:
             if plan is None:
                 await self._wake.wait()
                 continue
+            self._observe_admissions(scheduler)
             with structlog.contextvars.bound_contextvars(step_id=plan.step_id):
                 result, timing = await self.worker.execute(plan)
                 events = scheduler.update(plan, result)
@@ -314,12 +366,19 @@ class Engine:
 
     def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
         touched: dict[str, RequestStream] = {}
+        now = time.monotonic()
         for event in events:
             stream = self._streams.get(event.seq.request_id)
             if stream is None or stream.group is not event.seq.group:
                 continue
             if event.token_id >= 0:
                 stream.on_token(event, scheduler)
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    self.metrics.ttft.observe(now - stream.arrival_time)
+                elif stream.last_token_time is not None and stream.last_token_time < now:
+                    self.metrics.itl.observe(now - stream.last_token_time)
+                stream.last_token_time = now
             touched[stream.request_id] = stream
         # Only after every event of the step: a stop string on one sample can end the group
         # while a sibling's last token of the same step is still to be sent.
@@ -330,6 +389,7 @@ class Engine:
     def _close(self, stream: RequestStream) -> None:
         stream.finish()
         del self._streams[stream.request_id]
+        self.metrics.e2e.observe(time.monotonic() - stream.arrival_time)
         stats = stream.stats()
         log.info(
             "request_finished",
@@ -342,6 +402,14 @@ class Engine:
             swaps=stats.num_swaps,
             swapped_bytes=stats.swapped_bytes,
         )
+
+    def _observe_admissions(self, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        for group in scheduler.admitted:
+            stream = self._streams.get(group.request_id)
+            if stream is not None and stream.group is group and not stream.scheduled:
+                stream.scheduled = True
+                self.metrics.queue_time.observe(now - stream.arrival_time)
 
     def _publish_gauges(self, scheduler: Scheduler) -> None:
         m = self.metrics

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -36,6 +37,14 @@ class SchedulerMetrics:
         self.prefix_hits = counter("llmserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.prompt_tokens = counter("llmserve:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("llmserve:generation_tokens", "Tokens generated.")
+        self.ttft = histogram(
+            "llmserve:time_to_first_token_seconds", "Arrival to first token, per request.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram("llmserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.", _SECONDS_BUCKETS)
+        self.e2e = histogram("llmserve:e2e_request_latency_seconds", "Arrival to last message, per request.", _LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "llmserve:request_queue_time_seconds", "Arrival to first scheduled step, per request.", _LATENCY_BUCKETS
+        )
         self.plan_bytes = histogram("llmserve:step_plan_bytes", "Encoded size of each step plan.", _BYTES_BUCKETS)
         self.roundtrip = histogram(
             "llmserve:step_roundtrip_seconds", "Plan sent to result received, per step.", _SECONDS_BUCKETS

@@ -22,6 +22,9 @@ class PlanBuilder:
         self._ids: list[int] = []
         self._rows_epoch = -1
         self._static: dict[str, np.ndarray] = {}
+        self._biased: list[int] = []  # rows with a logit bias or a min_tokens ban
+        self._penalized: list[int] = []  # rows whose penalties need the token history
+        self._prompt_scored: list[int] = []  # rows that asked for prompt log-probabilities
 
     def build(self, step_id: int, seqs: list[Sequence], query_lens: list[int]) -> StepPlan:
         """Sequence i feeds tokens [computed, computed + query_lens[i]) of its token list."""
@@ -31,6 +34,9 @@ class PlanBuilder:
         if ids != self._ids:
             self._ids = ids
             self._static = _static_fields(seqs)
+            self._biased = [i for i, q in enumerate(seqs) if q.sampling.logit_bias or q.stopping.min_tokens]
+            self._penalized = [i for i, q in enumerate(seqs) if q.sampling.penalized]
+            self._prompt_scored = [i for i, q in enumerate(seqs) if q.sampling.prompt_logprobs is not None]
             self._rows_epoch = -1
         if self._rows_epoch != bm.rows_epoch:
             self._static["rows"] = bm.rows_of(ids)
@@ -48,6 +54,10 @@ class PlanBuilder:
         context_lens = np.array(computed, dtype=np.int32)
         num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
         ends = context_lens + q
+        sample = (ends == num_tokens).astype(np.uint8)
+        bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
+        history = _history(seqs, [i for i in self._penalized if sample[i]], n)
+        prompt_asked, prompt_next = _prompt_scoring(seqs, computed, query_lens, self._prompt_scored)
         swap_out, swap_in, copy = bm.take_ops()
         return StepPlan(
             step_id=step_id,
@@ -57,7 +67,7 @@ class PlanBuilder:
             input_ids=input_ids,
             # A sequence fed up to position e owns exactly ceil(e / block_size) blocks.
             block_tables=bm.tables_at(st["rows"], -(-ends // bm.block_size)),
-            sample=(ends == num_tokens).astype(np.uint8),
+            sample=sample,
             sampling=SamplingBatch(
                 temperature=st["temperature"],
                 top_p=st["top_p"],
@@ -65,11 +75,79 @@ class PlanBuilder:
                 seed=st["seed"],
                 output_position=num_tokens - st["prompt_lens"],
                 num_logprobs=st["num_logprobs"],
+                min_p=st["min_p"],
+                repetition_penalty=st["repetition_penalty"],
+                presence_penalty=st["presence_penalty"],
+                frequency_penalty=st["frequency_penalty"],
+                bias_offsets=bias[0],
+                bias_token_ids=bias[1],
+                bias_values=bias[2],
+                history_offsets=history[0],
+                history_token_ids=history[1],
+                prompt_logprobs=prompt_asked,
+                prompt_next_token=prompt_next,
             ),
             swap_out=swap_out,
             swap_in=swap_in,
             copy=copy,
         )
+
+
+_NONE_I32 = np.zeros(0, np.int32)
+_NONE_F32 = np.zeros(0, np.float32)
+
+
+def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ragged (offsets, token ids, values): logit_bias, plus -inf on the stop tokens of a
+    sequence that has not reached min_tokens yet."""
+    if not rows:
+        return _NONE_I32, _NONE_I32, _NONE_F32
+    counts = np.zeros(n + 1, np.int32)
+    ids: list[int] = []
+    values: list[float] = []
+    for i in rows:
+        seq = seqs[i]
+        pairs = list(seq.sampling.logit_bias)
+        if seq.num_output_tokens < seq.stopping.min_tokens:
+            pairs += [(t, float("-inf")) for t in sorted(seq.stop_ids)]
+        counts[i + 1] = len(pairs)
+        ids.extend(t for t, _ in pairs)
+        values.extend(v for _, v in pairs)
+    return np.cumsum(counts, dtype=np.int32), np.array(ids, np.int32), np.array(values, np.float32)
+
+
+def _history(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged (offsets, token ids): the whole token list of each penalized sequence that samples."""
+    if not rows:
+        return _NONE_I32, _NONE_I32
+    counts = np.zeros(n + 1, np.int32)
+    ids: list[int] = []
+    for i in rows:
+        counts[i + 1] = len(seqs[i].token_ids)
+        ids.extend(seqs[i].token_ids)
+    return np.cumsum(counts, dtype=np.int32), np.array(ids, np.int32)
+
+
+def _prompt_scoring(
+    seqs: list[Sequence], computed: list[int], query_lens: list[int], rows: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: prompt log-probability alternatives wanted (-1 = none) and the prompt token
+    after the chunk. Only the first pass over a prompt is scored: a chunk that starts where
+    the group's scores end (a recompute finds them complete)."""
+    if not rows:
+        return _NONE_I32, _NONE_I32
+    asked = np.full(len(seqs), -1, np.int32)
+    following = np.full(len(seqs), -1, np.int32)
+    for i in rows:
+        seq, c = seqs[i], computed[i]
+        assert seq.group is not None
+        prompt_len = len(seq.prompt_token_ids)
+        # Scores so far cover prompt tokens 1..c exactly when positions 0..c-1 were scored.
+        if c < prompt_len and len(seq.group.prompt_logprobs) == c:
+            asked[i] = seq.sampling.prompt_logprobs or 0
+            end = c + query_lens[i]
+            following[i] = seq.prompt_token_ids[end] if end < prompt_len else -1
+    return asked, following
 
 
 def beam_candidates(seq: Sequence) -> int:
@@ -81,12 +159,21 @@ def beam_candidates(seq: Sequence) -> int:
 
 def _static_fields(seqs: list[Sequence]) -> dict[str, np.ndarray]:
     params = [s.sampling for s in seqs]
+    penalized = any(p.penalized for p in params)
+
+    def optional(values: list[float], used: bool) -> np.ndarray:
+        return np.array(values, dtype=np.float32) if used else _NONE_F32
+
     return {
+        "min_p": optional([p.min_p for p in params], any(p.min_p > 0 for p in params)),
+        "repetition_penalty": optional([p.repetition_penalty for p in params], penalized),
+        "presence_penalty": optional([p.presence_penalty for p in params], penalized),
+        "frequency_penalty": optional([p.frequency_penalty for p in params], penalized),
         "seq_ids": np.array([s.seq_id for s in seqs], dtype=np.int64),
         "temperature": np.array([p.temperature for p in params], dtype=np.float32),
         "top_p": np.array([p.top_p for p in params], dtype=np.float32),
         "top_k": np.array([p.top_k for p in params], dtype=np.int32),
         "seed": np.array([s.seed for s in seqs], dtype=np.uint64).view(np.int64),
         "prompt_lens": np.array([len(s.prompt_token_ids) for s in seqs], dtype=np.int32),
-        "num_logprobs": np.array([beam_candidates(s) for s in seqs], dtype=np.int32),
+        "num_logprobs": np.array([beam_candidates(s) or (s.sampling.logprobs or 0) for s in seqs], dtype=np.int32),
     }

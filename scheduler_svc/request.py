@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from common.config import SchedulerConfig
 from common.errors import InvalidArgument, Unimplemented
 from common.model_spec import ModelSpec
 from scheduler_svc.sequence import FinishReason, SamplingParams, StoppingParams
@@ -35,6 +36,16 @@ class GenerationRequest:
     beam_width: int = 0  # 0 or 1 = no beam search
     length_penalty: float | None = None
     priority: int = 0
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0  # 0 = unset = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,15 @@ class RequestStats:
     num_preemptions: int = 0
     num_swaps: int = 0
     swapped_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the most likely (token, logprob) pairs at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,10 @@ class RequestOutput:
     index: int = 0
     cumulative_logprob: float = 0.0
     stats: RequestStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # every prompt token after the first, first message only
+    stop_sequence: str = ""  # the stop string that matched (STOP_SEQUENCE)
+    stop_token_id: int | None = None  # the token that ended the output (STOP)
 
 
 @dataclass(frozen=True)
@@ -68,20 +92,30 @@ class Limits:
 
     vocab_size: int
     max_model_len: int
+    max_prompt_tokens: int = 0  # 0 = up to the context
     max_stop_strings: int = 16
+    max_logprobs: int = 20
     max_n: int = 16  # most outputs, candidates (best_of) or beams of one request
 
     @classmethod
-    def of(cls, spec: ModelSpec) -> Limits:
-        return cls(vocab_size=spec.vocab_size, max_model_len=spec.max_model_len)
+    def of(cls, spec: ModelSpec, config: SchedulerConfig, max_model_len: int | None = None) -> Limits:
+        return cls(
+            vocab_size=spec.vocab_size,
+            max_model_len=max_model_len or spec.max_model_len,
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_stop_strings=config.max_stop_strings,
+            max_logprobs=config.max_logprobs,
+            max_n=config.max_n,
+        )
 
 
 def check_fields(req: GenerationRequest, limits: Limits) -> None:
     """Checks that need no tokenizer; raises InvalidArgument naming the field."""
-    if req.prompt and req.prompt_token_ids:
-        raise InvalidArgument("prompt", "set exactly one of prompt and prompt_token_ids, not both")
-    if not req.prompt and not req.prompt_token_ids:
-        raise InvalidArgument("prompt", "empty prompt: set prompt or prompt_token_ids")
+    given = sum(map(bool, (req.prompt, req.prompt_token_ids, req.messages)))
+    if given > 1:
+        raise InvalidArgument("prompt", "set exactly one of prompt, prompt_token_ids and messages")
+    if not given:
+        raise InvalidArgument("prompt", "empty prompt: set prompt, prompt_token_ids or messages")
     for i, token in enumerate(req.prompt_token_ids):
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgument(
@@ -102,6 +136,30 @@ def check_fields(req: GenerationRequest, limits: Limits) -> None:
         if not stop:
             raise InvalidArgument(f"stopping.stop[{i}]", "empty stop string")
     _check_width(req, limits)
+    _check_processing(req, limits)
+
+
+def _check_processing(req: GenerationRequest, limits: Limits) -> None:
+    """Logits processing and logprobs: ranges as vLLM and OpenAI define them."""
+    if math.isnan(req.min_p) or not 0 <= req.min_p <= 1:
+        raise InvalidArgument("sampling.min_p", f"must lie in [0, 1], got {req.min_p}")
+    if not math.isfinite(req.repetition_penalty) or req.repetition_penalty < 0:
+        raise InvalidArgument("sampling.repetition_penalty", f"must be > 0 (0 means unset), got {req.repetition_penalty}")
+    for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)):
+        if math.isnan(value) or not -2 <= value <= 2:
+            raise InvalidArgument(f"sampling.{name}", f"must lie in [-2, 2], got {value}")
+    for name, k in (("logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if k is not None and k > limits.max_logprobs:
+            raise InvalidArgument(f"sampling.{name}", f"at most {limits.max_logprobs} alternatives, got {k}")
+    if req.beam_width > 1 and req.logprobs is not None:
+        raise Unimplemented("sampling.logprobs: log-probabilities with beam search are not supported yet")
+    for token, bias in req.logit_bias:
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"token id outside the vocabulary (size {limits.vocab_size})")
+        if not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"bias must lie in [-100, 100], got {bias}")
+    if req.max_tokens and req.min_tokens > req.max_tokens:
+        raise InvalidArgument("stopping.min_tokens", f"{req.min_tokens} exceeds max_tokens ({req.max_tokens})")
 
 
 def _check_width(req: GenerationRequest, limits: Limits) -> None:
@@ -128,6 +186,10 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
     """The prompt (and max_tokens when set) must fit the model's context."""
     if num_prompt_tokens == 0:
         raise InvalidArgument("prompt", "the prompt tokenizes to no tokens")
+    if limits.max_prompt_tokens and num_prompt_tokens > limits.max_prompt_tokens:
+        raise InvalidArgument(
+            "prompt", f"{num_prompt_tokens} prompt tokens exceed this server's --max-prompt-tokens ({limits.max_prompt_tokens})"
+        )
     if num_prompt_tokens >= limits.max_model_len:
         raise InvalidArgument(
             "prompt",
@@ -157,6 +219,13 @@ def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> Sampli
         best_of=1 if req.beam_width > 1 else req.best_of or req.n or 1,
         beam_width=max(req.beam_width, 1),
         length_penalty=1.0 if req.length_penalty is None else float(req.length_penalty),
+        min_p=float(req.min_p),
+        repetition_penalty=float(req.repetition_penalty) or 1.0,
+        presence_penalty=float(req.presence_penalty),
+        frequency_penalty=float(req.frequency_penalty),
+        logit_bias=tuple((int(t), float(b)) for t, b in req.logit_bias),
+        logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -166,4 +235,6 @@ def stopping_params(req: GenerationRequest) -> StoppingParams:
         stop=tuple(req.stop),
         stop_token_ids=frozenset(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )

@@ -9,9 +9,11 @@ because which outputs win is only known then. A None on the queue ends the strea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import RequestOutput, RequestStats
+from scheduler_svc.request import RequestOutput, RequestStats, TokenLogprob
 from scheduler_svc.scheduler import Scheduler, TokenEvent
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.sequence_group import SequenceGroup
@@ -23,11 +25,19 @@ from scheduler_svc.tokenizer import Tokenizer
 class RequestStream:
     group: SequenceGroup
     tokenizer: Tokenizer
-    stop: tuple[str, ...]
     block_bytes: int
     queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
+    aborted: bool = False  # by an Abort call: its blocks go at the next step
+    # Latency bookkeeping for the metrics (monotonic seconds).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    scheduled: bool = False
+    prompt_logprobs_sent: bool = False
     _texts: dict[int, TextStream] = field(default_factory=dict)
     _buffered: dict[int, str] = field(default_factory=dict)
+    _logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    _matched: dict[int, str] = field(default_factory=dict)  # stop string that ended a sequence
 
     @property
     def request_id(self) -> str:
@@ -50,10 +60,12 @@ class RequestStream:
         """Detokenize one event and send what the caller may see."""
         seq, reason = event.seq, event.finish_reason
         text_stream = self._texts.get(seq.seq_id)
+        stopping = seq.stopping
         if text_stream is None:
-            text_stream = self._texts[seq.seq_id] = TextStream(self.tokenizer, seq.prompt_token_ids, self.stop)
+            text_stream = TextStream(self.tokenizer, seq.prompt_token_ids, stopping.stop, stopping.include_stop_str_in_output)
+            self._texts[seq.seq_id] = text_stream
         # A stop token ends the text: it is returned in token_ids, never shown.
-        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id)
+        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id, seq.num_output_tokens > stopping.min_tokens)
         if text_stream.matched_stop is not None:
             # Also when this token reached max_tokens: the stop string is why the text ends.
             if reason is None:
@@ -63,10 +75,13 @@ class RequestStream:
             text += text_stream.flush()
         if reason is not None:
             del self._texts[seq.seq_id]
+            self._matched[seq.seq_id] = text_stream.matched_stop or ""
+        logprob = (TokenLogprob(event.token_id, event.logprob, event.top),) if seq.sampling.logprobs is not None else ()
         if self.group.streams:
-            self.queue.put_nowait(self._output(seq, [event.token_id], text, reason))
+            self.queue.put_nowait(self._output(seq, [event.token_id], text, reason, logprob))
         else:
             self._buffered[seq.seq_id] = self._buffered.get(seq.seq_id, "") + text
+            self._logprobs.setdefault(seq.seq_id, []).extend(logprob)
 
     def finish(self) -> None:
         """The group ended: send the chosen outputs if they were held back, then close."""
@@ -86,18 +101,36 @@ class RequestStream:
                         index=index,
                         cumulative_logprob=hyp.cumulative_logprob,
                         stats=self.stats(),
+                        prompt_logprobs=self._prompt_logprobs_once(),
                     )
                 )
         elif not group.streams:
             for index, seq in enumerate(group.best()):
-                out = self._output(seq, seq.output_token_ids, self._buffered.get(seq.seq_id, ""), seq.finish_reason)
-                self.queue.put_nowait(RequestOutput(**{**out.__dict__, "index": index}))
+                out = self._output(
+                    seq, seq.output_token_ids, self._buffered.get(seq.seq_id, ""), seq.finish_reason,
+                    tuple(self._logprobs.get(seq.seq_id, ())),
+                )
+                self.queue.put_nowait(dataclasses.replace(out, index=index))
         self.queue.put_nowait(None)
+
+    def _prompt_logprobs_once(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's log-probabilities, on the first message of the stream only."""
+        if self.prompt_logprobs_sent or self.group.sampling.prompt_logprobs is None:
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(TokenLogprob(t, lp, top) for t, lp, top in self.group.prompt_logprobs)
 
     def fail(self, error: Exception) -> None:
         self.queue.put_nowait(error)
 
-    def _output(self, seq: Sequence, token_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -108,4 +141,8 @@ class RequestStream:
             index=seq.index,
             cumulative_logprob=seq.cumulative_logprob,
             stats=self.stats() if reason is not None else None,
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs_once(),
+            stop_sequence=self._matched.get(seq.seq_id, "") if reason is FinishReason.STOP_SEQUENCE else "",
+            stop_token_id=seq.token_ids[-1] if reason is FinishReason.STOP else None,
         )

@@ -48,6 +48,8 @@ class TokenEvent(NamedTuple):
     logprob: float
     finish_reason: FinishReason | None
     group_finished: bool
+    # (token, logprob) of the most likely tokens, when the request asked for logprobs.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Scheduler:
@@ -73,6 +75,8 @@ class Scheduler:
         self._next_step_id = 0
         self._in_flight: tuple[int, list[Sequence]] | None = None
         self._last_preempt_step = -1
+        # Groups admitted from waiting by the last schedule() (the engine times their queueing).
+        self.admitted: list[SequenceGroup] = []
         self._planner = StepPlanner(self)
         self._builder = PlanBuilder(block_manager)
         # Sequence slots held by running groups (a group holds its widest count: best_of or beam width).
@@ -188,6 +192,7 @@ class Scheduler:
         """Pick this step's work; None when there is nothing to run."""
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
+        self.admitted.clear()
         seqs, query_lens = self._planner.pick()
         # An empty plan still carries pending block operations, and after a preemption it
         # ends the step so that the preempted group can come back in the next one.
@@ -257,6 +262,7 @@ class Scheduler:
         sampled = result.sampled_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs.shape[0] == len(seqs) else [0.0] * len(seqs)
         beam_rows: dict[SequenceGroup, list[int]] = {}
+        has_top = result.top_token_ids.shape[0] == len(seqs)
         running = SequenceStatus.RUNNING
         for i, seq in enumerate(seqs):
             if seq.status is not running:
@@ -274,18 +280,35 @@ class Scheduler:
             token, logprob = sampled[i], logprobs[i]
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
-            if token in seq.stop_ids:
+            k = seq.sampling.logprobs
+            top = tuple(zip(result.top_token_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist())) if k and has_top else ()
+            if token in seq.stop_ids and seq.num_output_tokens > seq.stopping.min_tokens:
                 reason: FinishReason | None = FinishReason.STOP
             elif len(seq.token_ids) >= seq.token_limit:
                 reason = self.stop_reason(seq, token)
             else:
-                events.append(TokenEvent(seq, token, logprob, None, False))
+                events.append(TokenEvent(seq, token, logprob, None, False, top))
                 continue
             ended = self.finish_seq(seq.seq_id, reason) if reason is not None else False
-            events.append(TokenEvent(seq, token, logprob, reason, ended))
+            events.append(TokenEvent(seq, token, logprob, reason, ended, top))
+        if result.prompt_offsets.size:
+            self._collect_prompt_logprobs(seqs, result)
         for group, rows in beam_rows.items():
             events.extend(self._beam_step(group, [seqs[i] for i in rows], result, rows))
         return events
+
+    def _collect_prompt_logprobs(self, seqs: list[Sequence], result: StepResult) -> None:
+        offsets = result.prompt_offsets
+        for i, seq in enumerate(seqs):
+            begin, end = int(offsets[i]), int(offsets[i + 1])
+            if begin == end or seq.group is None:
+                continue
+            store = seq.group.prompt_logprobs
+            first = len(store) + 1  # prompt position of the first new entry
+            for k, position in zip(range(begin, end), range(first, first + end - begin)):
+                ids, lps = result.prompt_top_token_ids[k], result.prompt_top_logprobs[k]
+                top = tuple((int(t), float(v)) for t, v in zip(ids, lps) if t >= 0)
+                store.append((seq.prompt_token_ids[position], float(result.prompt_logprobs[k]), top))
 
     def _beam_step(self, group: SequenceGroup, beams: list[Sequence], result: StepResult, rows: list[int]) -> list[TokenEvent]:
         assert group.beam is not None
@@ -327,7 +350,7 @@ class Scheduler:
     def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why appending `token` ends `seq` (token already appended)."""
         stopping = seq.stopping
-        if token in stopping.stop_token_ids or (not stopping.ignore_eos and token in self.eos_token_ids):
+        if token in seq.stop_ids and seq.num_output_tokens > stopping.min_tokens:
             return FinishReason.STOP
         if stopping.max_tokens is not None and seq.num_output_tokens >= stopping.max_tokens:
             return FinishReason.LENGTH

@@ -45,6 +45,18 @@ class SamplingParams:
     best_of: int = 1  # candidates generated (>= n); the n with the best cumulative logprob return
     beam_width: int = 1  # > 1: beam search instead of sampling
     length_penalty: float = 1.0  # beam score = cumulative logprob / generated_len ** length_penalty
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # alternatives returned with each token; None = no logprobs
+    prompt_logprobs: int | None = None  # alternatives returned with each prompt token; None = none
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the worker needs the sequence's token history this step."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def sample_seed(self, index: int) -> int:
         """Seed of the index-th sample: distinct per sample, fixed by the request's seed."""
@@ -57,6 +69,8 @@ class StoppingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0  # eos and stop tokens are banned (and stop strings unmatched) before
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(eq=False)

@@ -39,6 +39,9 @@ class SequenceGroup:
     swapped_blocks: int = 0  # blocks moved either way
     prefix_hit_tokens: int = 0
     preempted_step: int = -1  # step in which it was last preempted
+    # (token, logprob, top alternatives) of prompt tokens 1..P-1, filled by the first pass over
+    # the prompt when sampling.prompt_logprobs is set.
+    prompt_logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     group_id: int = field(init=False)
     width: int = field(init=False)
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import SchedulerConfig, ServerConfig
+from common.config import SchedulerConfig, ServerConfig, TlsClientConfig
 from common.grpc_errors import ErrorInterceptor
+from common.grpc_metrics import GrpcMetricsInterceptor
 from common.model_spec import ModelSpec
 from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc
+from common.tls import add_port, tls_mode
+from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc import tgis_servicer
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient
@@ -33,6 +36,7 @@ class SchedulerServer:
         server_config: ServerConfig,
         scheduler_config: SchedulerConfig,
         step_timeout: float = 600.0,
+        worker_tls: TlsClientConfig | None = None,
     ) -> None:
         self.server_config = server_config
         spec = ModelSpec.from_dir(model_dir)
@@ -42,16 +46,20 @@ class SchedulerServer:
             spec,
             Tokenizer(model_dir),
             scheduler_config,
-            WorkerClient(worker_address, step_timeout=step_timeout),
+            WorkerClient(worker_address, step_timeout=step_timeout, tls=worker_tls),
             metrics=self.metrics,
             on_ready=self._on_ready,
+            chat_template=ChatTemplate.from_dir(model_dir),
         )
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        # Metrics outermost: an error is counted under the status code the client saw.
+        self.server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
+        tgis_servicer.register(self.server, self.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        if server_config.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, tgis_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
         self.port = 0
 
     async def _on_ready(self, ready: bool) -> None:
@@ -62,14 +70,17 @@ class SchedulerServer:
     async def start(self) -> int:
         cfg = self.server_config
         await self._on_ready(False)
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
         await self.server.start()
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port, cfg.host)
         self.engine.start()
-        log.info("scheduler_listening", host=cfg.host, port=self.port, metrics_port=cfg.metrics_port or None)
+        log.info(
+            "scheduler_listening", host=cfg.host, port=self.port, metrics_port=cfg.metrics_port or None,
+            tls=tls_mode(cfg.tls), reflection=cfg.reflection,
+        )
         return self.port
 
     async def stop(self) -> None:

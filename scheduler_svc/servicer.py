@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
+from common.errors import InvalidArgument, Unavailable
 from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from scheduler_svc import wire
 from scheduler_svc.engine import Engine
+
+# Caller ids accepted from metadata, echoed back and bound into every log line of the request.
+ID_HEADERS = ("x-request-id", "x-correlation-id")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -19,5 +26,54 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
-        async for out in self._engine.generate(wire.generation_request(request)):
-            yield wire.generate_response(out)
+        req = wire.generation_request(request)
+        headers = {k: v for k, v in (context.invocation_metadata() or ()) if k in ID_HEADERS and isinstance(v, str)}
+        # The request id: the field, else the caller's x-request-id, else a fresh one.
+        request_id = req.request_id or headers.get("x-request-id") or uuid.uuid4().hex
+        echo = {"x-request-id": request_id, **{k: v for k, v in headers.items() if k != "x-request-id"}}
+        await context.send_initial_metadata(tuple(echo.items()))
+        with structlog.contextvars.bound_contextvars(**{k.replace("-", "_"): v for k, v in echo.items()}):
+            async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id)):
+                yield wire.generate_response(out)
+
+    async def Abort(  # noqa: N802
+        self, request: gen_pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.AbortResponse:
+        return gen_pb.AbortResponse(aborted=self._engine.abort_requests(list(request.request_ids)))
+
+    async def Tokenize(  # noqa: N802
+        self, request: gen_pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.TokenizeResponse:
+        engine = self._engine
+        messages = tuple((m.role, m.content) for m in request.messages)
+        if request.text and messages:
+            raise InvalidArgument("text", "set either text or messages, not both")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if messages:
+            ids = engine.prompt_tokens("", (), messages)
+        else:
+            ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
+        return gen_pb.TokenizeResponse(token_ids=ids, tokens=[engine.tokenizer.backend.id_to_token(i) or "" for i in ids])
+
+    async def Detokenize(  # noqa: N802
+        self, request: gen_pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.DetokenizeResponse:
+        vocab = self._engine.limits.vocab_size
+        for i, token in enumerate(request.token_ids):
+            if token >= vocab:
+                raise InvalidArgument(f"token_ids[{i}]", f"token id {token} is outside the vocabulary (size {vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return gen_pb.DetokenizeResponse(text=self._engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.ModelInfo:
+        return wire.model_info(self._engine.model_info())
+
+    async def GetLoad(  # noqa: N802
+        self, request: gen_pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.Load:
+        load = self._engine.load()
+        if load is None:
+            raise Unavailable("no ready worker: the service is warming up or its worker is down")
+        return wire.load(load)

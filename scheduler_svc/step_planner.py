@@ -218,6 +218,7 @@ class StepPlanner:
             else:
                 self.s.waiting.pop(0)
                 self._attach_prefixes(group)
+                self.s.admitted.append(group)
             group.status = SequenceStatus.RUNNING
             for seq in group.live():
                 seq.status = SequenceStatus.RUNNING
@@ -231,7 +232,8 @@ class StepPlanner:
         """Start the group's first sequence from its prefix-cache hit (the others follow it)."""
         bm = self.bm
         for seq in group.live()[:1]:
-            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
+            # Prompt log-probabilities need every prompt position computed: no prefix reuse.
+            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
             bm.attach(seq.seq_id, hit)
             seq.num_computed_tokens = len(hit) * bm.block_size
             group.prefix_hit_tokens += seq.num_computed_tokens

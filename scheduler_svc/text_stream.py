@@ -21,7 +21,9 @@ _CONTEXT_TOKENS = 6
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), include_stop: bool = False
+    ) -> None:
         self._tokenizer = tokenizer
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt may end inside a multi-byte character. Given as context, those tokens would
@@ -34,22 +36,29 @@ class TextStream:
         for token in partial:
             self._decoder.step(tokenizer.backend, token)
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
         self._held = ""
         self.matched_stop: str | None = None
 
-    def push(self, token_id: int) -> str:
-        """Add one token; returns the text that can be shown now. Sets `matched_stop` on a match."""
+    def push(self, token_id: int, match: bool = True) -> str:
+        """Add one token; returns the text that can be shown now. Sets `matched_stop` on a match.
+
+        `match` False (before min_tokens) shows the text without looking for stop strings.
+        """
         if self.matched_stop is not None:
             return ""
         piece = self._decoder.step(self._tokenizer.backend, token_id) or ""
         if not self._stop:
             return piece
         text = self._held + piece
+        if not match:
+            self._held = ""
+            return text
         cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.matched_stop = next(s for s in self._stop if text.find(s) == cut)
             self._held = ""
-            return text[:cut]
+            return text[: cut + len(self.matched_stop)] if self._include_stop else text[:cut]
         hold = self._partial_stop_suffix(text)
         self._held = text[len(text) - hold :]
         return text[: len(text) - hold]

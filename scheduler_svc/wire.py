@@ -9,7 +9,8 @@ from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.request import GenerationRequest, RequestOutput
+from scheduler_svc.load import Load, ModelInfo
+from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
 
 _FINISH = {
@@ -39,6 +40,16 @@ def generation_request(msg: gen_pb.GenerateRequest) -> GenerationRequest:
         beam_width=msg.sampling.beam_width,
         length_penalty=msg.sampling.length_penalty if msg.sampling.HasField("length_penalty") else None,
         priority=msg.priority,
+        messages=tuple((m.role, m.content) for m in msg.messages),
+        min_p=msg.sampling.min_p,
+        repetition_penalty=msg.sampling.repetition_penalty,
+        presence_penalty=msg.sampling.presence_penalty,
+        frequency_penalty=msg.sampling.frequency_penalty,
+        logprobs=msg.sampling.logprobs if msg.sampling.HasField("logprobs") else None,
+        prompt_logprobs=msg.sampling.prompt_logprobs if msg.sampling.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(msg.sampling.logit_bias.items())),
+        min_tokens=msg.stopping.min_tokens,
+        include_stop_str_in_output=msg.stopping.include_stop_str_in_output,
     )
 
 
@@ -58,7 +69,20 @@ def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
             num_swaps=out.stats.num_swaps,
             swapped_bytes=out.stats.swapped_bytes,
         ),
+        logprobs=_token_logprobs(out.logprobs),
+        prompt_logprobs=_token_logprobs(out.prompt_logprobs),
+        stop_sequence=out.stop_sequence,
+        stop_token_id=out.stop_token_id,
     )
+
+
+def _token_logprobs(entries: tuple[TokenLogprob, ...]) -> list[gen_pb.TokenLogprob]:
+    return [
+        gen_pb.TokenLogprob(
+            token_id=e.token_id, logprob=e.logprob, top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]
+        )
+        for e in entries
+    ]
 
 
 def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
@@ -79,6 +103,17 @@ def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
             seed=pack(s.seed, np.int64),
             output_position=pack(s.output_position, np.int32),
             num_logprobs=pack(s.num_logprobs, np.int32),
+            min_p=pack(s.min_p, np.float32),
+            repetition_penalty=pack(s.repetition_penalty, np.float32),
+            presence_penalty=pack(s.presence_penalty, np.float32),
+            frequency_penalty=pack(s.frequency_penalty, np.float32),
+            bias_offsets=pack(s.bias_offsets, np.int32),
+            bias_token_ids=pack(s.bias_token_ids, np.int32),
+            bias_values=pack(s.bias_values, np.float32),
+            history_offsets=pack(s.history_offsets, np.int32),
+            history_token_ids=pack(s.history_token_ids, np.int32),
+            prompt_logprobs=pack(s.prompt_logprobs, np.int32),
+            prompt_next_token=pack(s.prompt_next_token, np.int32),
         ),
         swap_out=pack(plan.swap_out, np.int32),
         swap_in=pack(plan.swap_in, np.int32),
@@ -96,7 +131,23 @@ def step_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
         logprobs=unpack(msg.logprobs, np.float32, "logprobs", num_seqs if msg.logprobs else 0),
         top_token_ids=unpack(msg.top_token_ids, np.int32, "top_token_ids", num_seqs * width).reshape(num_seqs, width),
         top_logprobs=unpack(msg.top_logprobs, np.float32, "top_logprobs", num_seqs * width).reshape(num_seqs, width),
+        **_prompt_logprobs(msg, num_seqs),
     )
+
+
+def _prompt_logprobs(msg: worker_pb.StepResult, num_seqs: int) -> dict[str, np.ndarray]:
+    if not msg.prompt_offsets:
+        return {}
+    offsets = unpack(msg.prompt_offsets, np.int32, "prompt_offsets", num_seqs + 1)
+    entries, width = int(offsets[-1]), msg.prompt_top_width
+    return {
+        "prompt_offsets": offsets,
+        "prompt_logprobs": unpack(msg.prompt_logprobs, np.float32, "prompt_logprobs", entries),
+        "prompt_top_token_ids": unpack(msg.prompt_top_token_ids, np.int32, "prompt_top_token_ids", entries * width)
+        .reshape(entries, width),
+        "prompt_top_logprobs": unpack(msg.prompt_top_logprobs, np.float32, "prompt_top_logprobs", entries * width)
+        .reshape(entries, width),
+    }
 
 
 def describe_request() -> worker_pb.DescribeRequest:
@@ -116,4 +167,42 @@ def worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
         num_gpu_blocks=msg.num_gpu_blocks,
         num_cpu_blocks=msg.num_cpu_blocks,
         block_bytes=msg.block_bytes,
+    )
+
+
+def model_info(info: ModelInfo) -> gen_pb.ModelInfo:
+    limits = info.limits
+    return gen_pb.ModelInfo(
+        model_name=info.model_name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        block_size=info.block_size,
+        has_chat_template=info.has_chat_template,
+        limits=gen_pb.RequestLimits(
+            max_prompt_tokens=limits.max_prompt_tokens or limits.max_model_len - 1,
+            max_stop_strings=limits.max_stop_strings,
+            max_logprobs=limits.max_logprobs,
+            max_n=limits.max_n,
+            max_queue_len=info.max_queue_len,
+        ),
+    )
+
+
+def load(value: Load) -> gen_pb.Load:
+    return gen_pb.Load(
+        running=value.running,
+        waiting=value.waiting,
+        swapped=value.swapped,
+        groups=[
+            gen_pb.WorkerGroupLoad(
+                address=g.address,
+                num_gpu_blocks=g.num_gpu_blocks,
+                free_gpu_blocks=g.free_gpu_blocks,
+                num_cpu_blocks=g.num_cpu_blocks,
+                free_cpu_blocks=g.free_cpu_blocks,
+                running=g.running,
+            )
+            for g in value.groups
+        ],
     )

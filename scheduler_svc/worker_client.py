@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.config import TlsClientConfig
 from common.pb.llmserve.v1 import worker_pb2_grpc
 from common.plan import StepPlan, StepResult
+from common.tls import open_channel
 from common.worker_info import WorkerInfo
 from scheduler_svc import wire
 
@@ -31,16 +33,18 @@ class StepTiming:
 
 
 class WorkerClient:
-    def __init__(self, address: str, step_timeout: float = 600.0) -> None:
+    def __init__(self, address: str, step_timeout: float = 600.0, tls: TlsClientConfig | None = None) -> None:
         self.address = address
         self.step_timeout = step_timeout
+        # None: plaintext, as over the private unix socket `llmserve up` uses.
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
 
     async def connect(self, timeout: float) -> WorkerInfo:
         """Wait up to `timeout` seconds for the worker, describe it, and open the step stream."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(self.address, self.tls, CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
             info = await stub.Describe(wire.describe_request(), wait_for_ready=True, timeout=timeout)

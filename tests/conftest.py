@@ -194,7 +194,9 @@ async def tiny_scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> As
 
 
 def request(prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8, **stopping_and_sampling: object) -> pb.GenerateRequest:
-    sampling_keys = {"temperature", "top_p", "top_k", "seed", "n", "best_of", "beam_width", "length_penalty"}
+    sampling_keys = {"temperature", "top_p", "top_k", "seed", "n", "best_of", "beam_width", "length_penalty", "min_p",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
+                     "logit_bias"}
     priority = int(stopping_and_sampling.pop("priority", 0))  # type: ignore[call-overload]
     sampling = {k: v for k, v in stopping_and_sampling.items() if k in sampling_keys}
     stopping = {k: v for k, v in stopping_and_sampling.items() if k not in sampling_keys}

@@ -7,6 +7,7 @@ request receives are known in advance.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +138,7 @@ def _stale_stream(engine: Engine, outs: list[RequestOutput]):  # type: ignore[no
     from scheduler_svc.sequence_group import SequenceGroup
 
     seq = Sequence(10**6, "x", [1, 2], SamplingParams(), StoppingParams(max_tokens=3), arrival=10**6)
-    return RequestStream(SequenceGroup("x", [seq], seq.sampling, 10**6), engine.tokenizer, (), 0)
+    return RequestStream(SequenceGroup("x", [seq], seq.sampling, 10**6), engine.tokenizer, 0)
 
 
 async def test_huge_top_k_and_tiny_temperature_are_safe(spec: ModelSpec, tokenizer: Tokenizer) -> None:
@@ -209,5 +210,26 @@ async def test_a_width_beyond_the_servers_batch_is_refused(spec: ModelSpec, toke
             await run(engine, n=3, temperature=1.0)
         with pytest.raises(InvalidArgument, match="beam_width"):
             await run(engine, beam_width=3)
+    finally:
+        await engine.stop()
+
+
+async def test_request_limits_are_server_flags(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    config = SchedulerConfig(max_prompt_tokens=4, max_logprobs=2, max_stop_strings=1, max_n=2)
+    engine = Engine(spec, tokenizer, config, FakeWorker(spec, [300]))  # type: ignore[arg-type]
+    engine.start()
+    try:
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        cases = [
+            ({"prompt_token_ids": (1, 2, 3, 4, 5)}, "--max-prompt-tokens (4)"),
+            ({"logprobs": 3}, "at most 2 alternatives"),
+            ({"stop": ("a", "b")}, "at most 1 stop strings"),
+            ({"n": 3, "temperature": 1.0}, "at most 2"),
+        ]
+        for fields, message in cases:
+            with pytest.raises(InvalidArgument, match=re.escape(message)):
+                await run(engine, **fields)
+        assert len(await run(engine, prompt_token_ids=(1, 2, 3, 4), logprobs=2, max_tokens=2)) == 2
     finally:
         await engine.stop()

@@ -13,6 +13,8 @@ Result layout for a plan of n sequences, of which `rows` sampled, asking for `nu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -42,3 +44,45 @@ def step_logprobs(
         top_ids[rows] = np.where(keep, ids.cpu().numpy(), -1)
         top_lps[rows] = np.where(keep, values.cpu().numpy(), -np.inf)
     return chosen, top_ids, top_lps
+
+
+def prompt_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],  # hidden rows -> float32 logits
+    hidden: torch.Tensor,  # [num_tokens, hidden] of the whole step
+    starts: np.ndarray,  # [num_seqs + 1] query start offsets
+    input_ids: np.ndarray,  # [num_tokens]
+    asked: np.ndarray,  # int32 [num_seqs]: alternatives per sequence, -1 = none
+    next_token: np.ndarray,  # int32 [num_seqs]: prompt token after each chunk, -1 = none
+) -> tuple[I32, F32, I32, F32]:
+    """(offsets, logprobs, top ids, top logprobs) of every fed prompt position's next token.
+
+    Position t of a chunk scores the token fed at t + 1; the chunk's last position scores
+    next_token (nothing when the chunk ends the prompt: what follows is output).
+    """
+    n = asked.shape[0]
+    rows, targets = [], []
+    counts = np.zeros(n + 1, np.int32)
+    for i in np.flatnonzero(asked >= 0):
+        begin, end = int(starts[i]), int(starts[i + 1])
+        follow = list(input_ids[begin + 1 : end])
+        if next_token[i] >= 0:
+            follow.append(int(next_token[i]))
+        rows.extend(range(begin, begin + len(follow)))
+        targets.extend(follow)
+        counts[i + 1] = len(follow)
+    offsets = np.cumsum(counts, dtype=np.int32)
+    width = int(asked.max()) if n else 0
+    if not rows:
+        return offsets, np.zeros(0, np.float32), np.zeros((0, max(width, 0)), np.int32), np.zeros((0, max(width, 0)), np.float32)
+    dev = hidden.device
+    lps = torch.log_softmax(logits_of(hidden.index_select(0, torch.tensor(rows, device=dev))).float(), dim=-1)
+    chosen = lps.gather(1, torch.tensor(targets, device=dev).view(-1, 1)).squeeze(1).cpu().numpy()
+    top_ids = np.full((len(rows), width), -1, np.int32)
+    top_lps = np.full((len(rows), width), -np.inf, np.float32)
+    if width > 0:
+        values, ids = lps.topk(width, dim=-1)
+        per_entry = np.repeat(asked, np.diff(offsets))  # each entry's own row limit
+        keep = np.arange(width)[None, :] < per_entry[:, None]
+        top_ids = np.where(keep, ids.cpu().numpy(), -1).astype(np.int32)
+        top_lps = np.where(keep, values.cpu().numpy(), -np.inf).astype(np.float32)
+    return offsets, chosen.astype(np.float32), top_ids, top_lps

@@ -23,7 +23,8 @@ from worker_svc.loader import (
     resolve_device,
     resolve_dtype,
 )
-from worker_svc.logprobs import step_logprobs
+from worker_svc.logprobs import prompt_logprobs, step_logprobs
+from worker_svc.logits_processor import process_logits
 from worker_svc.sampler import sample
 
 log = structlog.get_logger(__name__)
@@ -133,9 +134,20 @@ class ModelRunner:
         used = bt[np.arange(bt.shape[1])[None, :] < needed[:, None]]  # every entry a token lives in
         if used.size and (int(used.min()) < 0 or int(used.max()) >= self.kv.num_blocks):
             raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
-        ids = plan.input_ids
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
-            raise PlanError(f"token id outside the vocabulary of {self.shape.vocab_size}")
+        vocab = self.shape.vocab_size
+        for name, ids in (("input_ids", plan.input_ids), ("sampling.bias_token_ids", plan.sampling.bias_token_ids),
+                          ("sampling.history_token_ids", plan.sampling.history_token_ids)):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise PlanError(f"{name}: token id outside the vocabulary of {vocab}")
+        nxt = plan.sampling.prompt_next_token
+        if nxt.size and (int(nxt.min()) < -1 or int(nxt.max()) >= vocab):
+            raise PlanError("sampling.prompt_next_token outside the vocabulary")
+        plp = plan.sampling.prompt_logprobs
+        if plp.size and int(plp.max()) > vocab:
+            raise PlanError(f"sampling.prompt_logprobs above the vocabulary of {vocab}")
+        rep = plan.sampling.repetition_penalty
+        if rep.size and not bool((rep > 0).all()):
+            raise PlanError("sampling.repetition_penalty must be positive")
         asked = plan.sampling.num_logprobs
         if asked.size and (int(asked.min()) < 0 or int(asked.max()) > self.shape.vocab_size):
             raise PlanError(f"num_logprobs outside [0, {self.shape.vocab_size}]")
@@ -196,10 +208,18 @@ class ModelRunner:
         def pick(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a[rows])).to(dev)
 
-        tokens = sample(logits, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position))
+        processed = process_logits(logits, s, rows)
+        min_p = pick(s.min_p) if s.min_p.size else None
+        tokens = sample(processed, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position), min_p)
         sampled[rows] = tokens.cpu().numpy()
         logprobs, top_ids, top_lps = step_logprobs(logits, tokens, rows, s.num_logprobs, plan.num_seqs)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps)
+        prompt: dict[str, np.ndarray] = {}
+        if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
+            fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
+            values = prompt_logprobs(self.model.compute_logits, hidden, starts, plan.input_ids, s.prompt_logprobs,
+                                     s.prompt_next_token)
+            prompt = dict(zip(fields, values))
+        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps, **prompt)
 
 def _profile_plan(tokens: int, blocks: int, vocab_size: int) -> StepPlan:
     """One sequence of `tokens` random tokens, sampled at the end: the largest step we plan."""

@@ -6,7 +6,8 @@ u = hash(seed, position), and picks the token where u falls in the cumulative di
 in, on any worker, after a recompute or a restart. The hash is integer arithmetic on int64
 tensors that never overflows, so CPU and CUDA agree bit for bit.
 
-Order of the filters, as in transformers: temperature, then top-k, then top-p. Rows that use
+Order of the filters: temperature, then min-p, then top-k, then top-p (bias and penalties come
+before, in `logits_processor`). Rows that use
 neither top-k nor top-p walk the distribution in vocabulary order; the others in descending
 probability order. The choice depends on the row's own parameters only, never on its
 neighbours in the batch.
@@ -51,6 +52,7 @@ def sample(
     top_k: torch.Tensor,  # int32 [n], 0 = off
     seed: torch.Tensor,  # int64 [n]
     position: torch.Tensor,  # int32 [n]
+    min_p: torch.Tensor | None = None,  # float32 [n], 0 = off; None = off for every row
 ) -> torch.Tensor:
     """Returns int64 [n] token ids."""
     tokens = logits.argmax(dim=-1)
@@ -59,6 +61,10 @@ def sample(
         return tokens
     rows = random.nonzero().squeeze(1)
     scaled = logits[rows] / temperature[rows, None]
+    if min_p is not None and bool((min_p[rows] > 0).any()):
+        # min-p on the temperature-scaled distribution, before top-k and top-p (vLLM's order).
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[rows, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     u = uniform(seed[rows], position[rows])
     truncated = (top_k[rows] > 0) | (top_p[rows] < 1)
     picked = torch.empty_like(rows)

@@ -9,8 +9,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import WorkerConfig
+from common.config import TlsConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from common.tls import add_port, tls_mode
+from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
@@ -24,29 +26,51 @@ OPTIONS = [
 
 
 class WorkerServer:
-    def __init__(self, config: WorkerConfig, address: str, grace_seconds: float = 5.0) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        address: str,
+        grace_seconds: float = 5.0,
+        tls: TlsConfig | None = None,
+        reflection: bool = True,
+        metrics_port: int = 0,
+    ) -> None:
         self.address = address
         self.grace_seconds = grace_seconds
+        self.tls = tls
+        self.reflection = reflection
         # Loading comes first: the port opens only when the worker can answer the handshake,
         # so a scheduler waiting on the channel never sees a half-ready worker.
         self.runner = ModelRunner(config)
-        self.servicer = WorkerServicer(self.runner, Path(config.model).name)
+        self.metrics_port = metrics_port
+        self.metrics = WorkerMetrics(Path(config.model).name)
+        self.metrics.gpu_blocks.set(self.runner.kv.num_blocks)
+        self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
+        self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics)
         self.port = 0
 
     async def start(self) -> int:
         # gRPC aio objects belong to the running event loop, so they are made here.
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=OPTIONS)
+        self.server = grpc.aio.server(options=OPTIONS, interceptors=[self.metrics.grpc])
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(self.address)
+        if self.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = add_port(self.server, self.address, self.tls)
         if self.port == 0 and not self.address.startswith("unix:"):
             raise OSError(f"cannot listen on {self.address}")
         await self.server.start()
+        if self.metrics_port:
+            # Metrics listen on the same interface as the service (loopback for a unix socket).
+            host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
+            self.metrics.serve(self.metrics_port, host)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("worker_listening", address=self.address, port=self.port)
+        log.info(
+            "worker_listening", address=self.address, port=self.port,
+            tls=tls_mode(self.tls), reflection=self.reflection,
+        )
         return self.port
 
     async def stop(self) -> None:

@@ -12,6 +12,7 @@ import structlog
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
 from worker_svc import wire
+from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner, PlanError
 
 log = structlog.get_logger(__name__)
@@ -20,9 +21,10 @@ STREAM_TAKEOVER_S = 10.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str, metrics: WorkerMetrics | None = None) -> None:
         self._runner = runner
         self._model_name = model_name
+        self._metrics = metrics
         # One thread runs every forward pass: steps are sequential by nature, and the event
         # loop stays free to answer health checks while a step runs.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -49,6 +51,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 try:
                     plan = wire.step_plan(msg)
                     result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
+                    if self._metrics is not None:
+                        self._metrics.observe(plan, result.execute_seconds)
                 except (ValueError, PlanError) as error:
                     log.error("plan_refused", step_id=msg.step_id, reason=str(error))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")

@@ -32,12 +32,29 @@ def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
             seed=unpack(s.seed, np.int64, "sampling.seed", n),
             output_position=unpack(s.output_position, np.int32, "sampling.output_position", n),
             # Empty means 0 for every sequence: a scheduler that never asks sends nothing.
-            num_logprobs=unpack(s.num_logprobs, np.int32, "sampling.num_logprobs", n if s.num_logprobs else 0),
+            num_logprobs=_optional(s.num_logprobs, np.int32, "sampling.num_logprobs", n),
+            min_p=_optional(s.min_p, np.float32, "sampling.min_p", n),
+            repetition_penalty=_optional(s.repetition_penalty, np.float32, "sampling.repetition_penalty", n),
+            presence_penalty=_optional(s.presence_penalty, np.float32, "sampling.presence_penalty", n),
+            frequency_penalty=_optional(s.frequency_penalty, np.float32, "sampling.frequency_penalty", n),
+            bias_offsets=_optional(s.bias_offsets, np.int32, "sampling.bias_offsets", n + 1),
+            bias_token_ids=unpack(s.bias_token_ids, np.int32, "sampling.bias_token_ids"),
+            bias_values=unpack(s.bias_values, np.float32, "sampling.bias_values"),
+            history_offsets=_optional(s.history_offsets, np.int32, "sampling.history_offsets", n + 1),
+            history_token_ids=unpack(s.history_token_ids, np.int32, "sampling.history_token_ids"),
+            prompt_logprobs=_optional(s.prompt_logprobs, np.int32, "sampling.prompt_logprobs", n),
+            prompt_next_token=_optional(s.prompt_next_token, np.int32, "sampling.prompt_next_token", n),
         ),
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
         copy=_pairs(msg.copy, "copy"),
     )
+
+
+def _optional(data: bytes, dtype: type, field: str, count: int) -> np.ndarray:
+    """A per-sequence array that may be absent: empty means the default for every sequence,
+    so a scheduler that never uses a feature sends nothing for it."""
+    return unpack(data, dtype, field, count if data else 0)
 
 
 def _pairs(data: bytes, field: str) -> np.ndarray:
@@ -57,6 +74,11 @@ def step_result(result: StepResult) -> worker_pb.StepResult:
         top_token_ids=pack(result.top_token_ids, np.int32),
         top_logprobs=pack(result.top_logprobs, np.float32),
         top_width=result.top_token_ids.shape[1],
+        prompt_offsets=pack(result.prompt_offsets, np.int32),
+        prompt_logprobs=pack(result.prompt_logprobs, np.float32),
+        prompt_top_token_ids=pack(result.prompt_top_token_ids, np.int32),
+        prompt_top_logprobs=pack(result.prompt_top_logprobs, np.float32),
+        prompt_top_width=result.prompt_top_token_ids.shape[1],
     )
 
 

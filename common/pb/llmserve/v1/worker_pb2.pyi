@@ -36,20 +36,42 @@ class WorkerInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingBatch(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "bias_offsets", "bias_token_ids", "bias_values", "history_offsets", "history_token_ids", "prompt_logprobs", "prompt_next_token")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    BIAS_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     temperature: bytes
     top_p: bytes
     top_k: bytes
     seed: bytes
     output_position: bytes
     num_logprobs: bytes
-    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ...) -> None: ...
+    min_p: bytes
+    repetition_penalty: bytes
+    presence_penalty: bytes
+    frequency_penalty: bytes
+    bias_offsets: bytes
+    bias_token_ids: bytes
+    bias_values: bytes
+    history_offsets: bytes
+    history_token_ids: bytes
+    prompt_logprobs: bytes
+    prompt_next_token: bytes
+    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling", "swap_out", "swap_in", "copy")
@@ -80,7 +102,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width")
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +110,11 @@ class StepResult(_message.Message):
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     execute_seconds: float
@@ -95,4 +122,9 @@ class StepResult(_message.Message):
     top_token_ids: bytes
     top_logprobs: bytes
     top_width: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ...) -> None: ...
+    prompt_offsets: bytes
+    prompt_logprobs: bytes
+    prompt_top_token_ids: bytes
+    prompt_top_logprobs: bytes
+    prompt_top_width: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,39 @@
+"""What GetModelInfo and GetLoad report: plain values the wire module turns into messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.request import Limits
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int  # 0 while no worker has reported one
+    has_chat_template: bool
+    limits: Limits
+    max_queue_len: int
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """KV usage of one worker group (cached prefix blocks count as free: they are evicted on demand)."""
+
+    address: str
+    num_gpu_blocks: int
+    free_gpu_blocks: int
+    num_cpu_blocks: int
+    free_cpu_blocks: int
+    running: int
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    swapped: int
+    groups: tuple[GroupLoad, ...]

@@ -1,0 +1,81 @@
+"""Logit processing before sampling, from what the plan carries (the worker keeps no history).
+
+Order, as vLLM applies it: logit bias (and min_tokens bans) -> repetition penalty ->
+presence and frequency penalties; the sampler then applies temperature, min-p, top-k, top-p.
+Greedy rows see the processed logits too. Log-probabilities returned to clients are taken
+from the raw logits, before any of this.
+
+    repetition (transformers): for each token in prompt + output, logit / p if > 0, else * p
+    presence   (OpenAI): logit - presence * [token occurs in the output]
+    frequency  (OpenAI): logit - frequency * (occurrences in the output)
+
+Only rows that use a feature pay for it: empty plan arrays mean "off for every row".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.plan import SamplingBatch
+
+
+def process_logits(
+    logits: torch.Tensor,  # float32 [len(rows), vocab], raw; not modified
+    batch: SamplingBatch,
+    rows: np.ndarray,  # which of the plan's sequences the logits rows belong to
+) -> torch.Tensor:
+    """The processed logits (a new tensor when anything applies, else `logits` itself)."""
+    if not rows.size:
+        return logits
+    has_bias = batch.bias_offsets.size and int(batch.bias_offsets[-1]) > 0
+    has_history = batch.history_offsets.size and int(batch.history_offsets[-1]) > 0
+    if not has_bias and not has_history:
+        return logits
+    out = logits.clone()
+    dev = logits.device
+    if has_bias:
+        r, t, v = _ragged(batch.bias_offsets, batch.bias_token_ids, rows, batch.bias_values)
+        if r.size:
+            # index_put_ with accumulate: a token listed twice gets both biases.
+            out.index_put_((torch.from_numpy(r).to(dev), torch.from_numpy(t).to(dev)),
+                           torch.from_numpy(v).to(dev), accumulate=True)
+    if has_history:
+        _penalize(out, batch, rows)
+    return out
+
+
+def _ragged(
+    offsets: np.ndarray, tokens: np.ndarray, rows: np.ndarray, values: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logits row, token, value) triples of the plan rows `rows`, gathered from ragged arrays."""
+    starts, ends = offsets[rows], offsets[rows + 1]
+    counts = ends - starts
+    which = np.repeat(np.arange(rows.size), counts)
+    index = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+    vals = values[index] if values is not None else np.zeros(index.size, np.float32)
+    return which.astype(np.int64), tokens[index].astype(np.int64), vals.astype(np.float32)
+
+
+def _penalize(out: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> None:
+    dev = out.device
+    n, vocab = out.shape
+    offsets = batch.history_offsets
+    which, tokens, _ = _ragged(offsets, batch.history_token_ids, rows)
+    # Position of each history token inside its sequence: the last output_position are output.
+    lengths = (offsets[rows + 1] - offsets[rows]).astype(np.int64)
+    pos = np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    is_output = pos >= np.repeat(lengths - batch.output_position[rows].astype(np.int64), lengths)
+    w = torch.from_numpy(which).to(dev)
+    t = torch.from_numpy(tokens).to(dev)
+    seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
+    seen[w, t] = True
+    counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
+    out_mask = torch.from_numpy(is_output).to(dev)
+    counts.index_put_((w[out_mask], t[out_mask]), torch.ones(int(out_mask.sum()), device=dev), accumulate=True)
+    rep = torch.from_numpy(batch.repetition_penalty[rows]).to(dev)[:, None]
+    penalized = torch.where(out > 0, out / rep, out * rep)
+    out.copy_(torch.where(seen, penalized, out))
+    presence = torch.from_numpy(batch.presence_penalty[rows]).to(dev)[:, None]
+    frequency = torch.from_numpy(batch.frequency_penalty[rows]).to(dev)[:, None]
+    out.sub_(presence * (counts > 0) + frequency * counts)
