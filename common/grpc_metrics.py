@@ -1,7 +1,7 @@
 """gRPC server metrics with the names go-grpc-prometheus made standard, for both services.
 
     grpc_server_started_total{grpc_type, grpc_service, grpc_method}
-    grpc_server_handled_total{grpc_type, grpc_service, grpc_method, grpc_code}
+    grpc_server_handled_total{grpc_type, grpc_service, grpc_method, grpc_code}   (code as Go names it)
     grpc_server_msg_received_total{...}   grpc_server_msg_sent_total{...}
     grpc_server_handling_seconds{...}     (histogram)
 
@@ -20,6 +20,26 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LABELS = ["grpc_type", "grpc_service", "grpc_method"]
+# The label values go-grpc-prometheus uses (Go's codes.Code.String()), so dashboards match.
+_GO_NAME = {
+    grpc.StatusCode.OK: "OK",
+    grpc.StatusCode.CANCELLED: "Canceled",
+    grpc.StatusCode.UNKNOWN: "Unknown",
+    grpc.StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    grpc.StatusCode.NOT_FOUND: "NotFound",
+    grpc.StatusCode.ALREADY_EXISTS: "AlreadyExists",
+    grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    grpc.StatusCode.FAILED_PRECONDITION: "FailedPrecondition",
+    grpc.StatusCode.ABORTED: "Aborted",
+    grpc.StatusCode.OUT_OF_RANGE: "OutOfRange",
+    grpc.StatusCode.UNIMPLEMENTED: "Unimplemented",
+    grpc.StatusCode.INTERNAL: "Internal",
+    grpc.StatusCode.UNAVAILABLE: "Unavailable",
+    grpc.StatusCode.DATA_LOSS: "DataLoss",
+    grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
+}
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -110,11 +130,12 @@ class _Observation:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
         if kind is None:
             code = grpc.StatusCode.OK
-        elif issubclass(kind, asyncio.CancelledError):
+        elif issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
+            # GeneratorExit: the client went away while a streamed response was being written.
             code = grpc.StatusCode.CANCELLED
         else:
             code = self.context.code() or grpc.StatusCode.UNKNOWN
             if isinstance(code, int):  # some grpc versions report the raw integer
                 code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-        self.owner.handled.labels(*self.labels, code.name).inc()
+        self.owner.handled.labels(*self.labels, _GO_NAME.get(code, "Unknown")).inc()
         self.owner.seconds.labels(*self.labels).observe(time.perf_counter() - self.start)

@@ -25,7 +25,7 @@ def _raise(message: str) -> None:
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(source)
         self._special = special_tokens
@@ -46,7 +46,12 @@ class ChatTemplate:
                 source = next((t["template"] for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str):
             return None
-        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        # Older configs write special tokens as AddedToken dicts ({"content": "<s>", ...}).
+        special = {
+            k: v if isinstance(v, str) else v["content"]
+            for k, v in config.items()
+            if k.endswith("_token") and (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str)))
+        }
         return cls(source, special)
 
     def render(self, messages: list[tuple[str, str]]) -> str:

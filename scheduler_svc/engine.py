@@ -362,7 +362,8 @@ class Engine:
                 result, timing = await self.worker.execute(plan)
                 events = scheduler.update(plan, result)
                 self._emit(scheduler, events)
-                self._record(plan.step_id, plan.num_seqs, plan.num_tokens, len(events), timing)
+                # Sampled rows, not events: beam steps sample every beam but emit only at the end.
+                self._record(plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing)
 
     def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
         touched: dict[str, RequestStream] = {}

@@ -117,23 +117,42 @@ def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np
 
 
 def _history(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Ragged (offsets, token ids): the whole token list of each penalized sequence that samples."""
+    """Ragged (offsets, token ids): the whole token list of each penalized sequence that samples.
+
+    Each sequence keeps its tokens in a growing int32 buffer (only new tokens are copied in),
+    so a step costs one memcpy per row, not a Python loop over thousands of tokens.
+    """
     if not rows:
         return _NONE_I32, _NONE_I32
     counts = np.zeros(n + 1, np.int32)
-    ids: list[int] = []
+    parts = []
     for i in rows:
-        counts[i + 1] = len(seqs[i].token_ids)
-        ids.extend(seqs[i].token_ids)
-    return np.cumsum(counts, dtype=np.int32), np.array(ids, np.int32)
+        tokens = _token_buffer(seqs[i])
+        counts[i + 1] = tokens.shape[0]
+        parts.append(tokens)
+    return np.cumsum(counts, dtype=np.int32), np.concatenate(parts)
+
+
+def _token_buffer(seq: Sequence) -> np.ndarray:
+    buffer, size = seq.token_buffer
+    total = len(seq.token_ids)
+    if total > buffer.shape[0]:
+        grown = np.empty(max(2 * buffer.shape[0], total, 64), np.int32)
+        grown[:size] = buffer[:size]
+        buffer = grown
+    if total > size:
+        buffer[size:total] = seq.token_ids[size:total]
+    seq.token_buffer = (buffer, total)
+    return buffer[:total]
 
 
 def _prompt_scoring(
     seqs: list[Sequence], computed: list[int], query_lens: list[int], rows: list[int]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row: prompt log-probability alternatives wanted (-1 = none) and the prompt token
-    after the chunk. Only the first pass over a prompt is scored: a chunk that starts where
-    the group's scores end (a recompute finds them complete)."""
+    after the chunk (-1 past the prompt). A row is scored while its group still lacks scores
+    and its chunk reaches the first missing position, however chunks fell (a recompute may
+    chunk differently); the scheduler keeps only the entries it lacks."""
     if not rows:
         return _NONE_I32, _NONE_I32
     asked = np.full(len(seqs), -1, np.int32)
@@ -141,11 +160,11 @@ def _prompt_scoring(
     for i in rows:
         seq, c = seqs[i], computed[i]
         assert seq.group is not None
-        prompt_len = len(seq.prompt_token_ids)
-        # Scores so far cover prompt tokens 1..c exactly when positions 0..c-1 were scored.
-        if c < prompt_len and len(seq.group.prompt_logprobs) == c:
+        prompt_len, have = len(seq.prompt_token_ids), len(seq.group.prompt_logprobs)
+        end = c + query_lens[i]
+        # Positions c..end-1 score tokens c+1..end; the next one wanted is have + 1.
+        if have < prompt_len - 1 and c <= have < end:
             asked[i] = seq.sampling.prompt_logprobs or 0
-            end = c + query_lens[i]
             following[i] = seq.prompt_token_ids[end] if end < prompt_len else -1
     return asked, following
 

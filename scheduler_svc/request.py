@@ -180,6 +180,14 @@ def _check_width(req: GenerationRequest, limits: Limits) -> None:
             raise InvalidArgument("sampling.temperature", "beam search is deterministic: set temperature to 0")
         if req.stop:
             raise Unimplemented("stopping.stop: stop strings with beam search are not supported yet")
+        # Beams are ranked on the raw log-probabilities: logit processing would be ignored.
+        for name, used in (("sampling.repetition_penalty", req.repetition_penalty not in (0.0, 1.0)),
+                           ("sampling.presence_penalty", req.presence_penalty != 0),
+                           ("sampling.frequency_penalty", req.frequency_penalty != 0),
+                           ("sampling.logit_bias", bool(req.logit_bias)),
+                           ("stopping.min_tokens", req.min_tokens > 0)):
+            if used:
+                raise Unimplemented(f"{name} with beam search is not supported yet")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:

@@ -65,7 +65,7 @@ class RequestStream:
             text_stream = TextStream(self.tokenizer, seq.prompt_token_ids, stopping.stop, stopping.include_stop_str_in_output)
             self._texts[seq.seq_id] = text_stream
         # A stop token ends the text: it is returned in token_ids, never shown.
-        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id, seq.num_output_tokens > stopping.min_tokens)
+        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id, seq.num_output_tokens >= stopping.min_tokens)
         if text_stream.matched_stop is not None:
             # Also when this token reached max_tokens: the stop string is why the text ends.
             if reason is None:

@@ -292,23 +292,28 @@ class Scheduler:
             ended = self.finish_seq(seq.seq_id, reason) if reason is not None else False
             events.append(TokenEvent(seq, token, logprob, reason, ended, top))
         if result.prompt_offsets.size:
-            self._collect_prompt_logprobs(seqs, result)
+            self._collect_prompt_logprobs(seqs, plan, result)
         for group, rows in beam_rows.items():
             events.extend(self._beam_step(group, [seqs[i] for i in rows], result, rows))
         return events
 
-    def _collect_prompt_logprobs(self, seqs: list[Sequence], result: StepResult) -> None:
+    def _collect_prompt_logprobs(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> None:
+        """Append the scores of prompt positions the group still lacks, in order; entry k of a
+        row scores the token at position context + 1 + k, which may lie past the prompt."""
         offsets = result.prompt_offsets
         for i, seq in enumerate(seqs):
             begin, end = int(offsets[i]), int(offsets[i + 1])
             if begin == end or seq.group is None:
                 continue
-            store = seq.group.prompt_logprobs
-            first = len(store) + 1  # prompt position of the first new entry
-            for k, position in zip(range(begin, end), range(first, first + end - begin)):
+            store, prompt = seq.group.prompt_logprobs, seq.prompt_token_ids
+            first_target = int(plan.context_lens[i]) + 1
+            for k in range(begin, end):
+                target = first_target + (k - begin)
+                if target != len(store) + 1 or target >= len(prompt):
+                    continue
                 ids, lps = result.prompt_top_token_ids[k], result.prompt_top_logprobs[k]
                 top = tuple((int(t), float(v)) for t, v in zip(ids, lps) if t >= 0)
-                store.append((seq.prompt_token_ids[position], float(result.prompt_logprobs[k]), top))
+                store.append((prompt[target], float(result.prompt_logprobs[k]), top))
 
     def _beam_step(self, group: SequenceGroup, beams: list[Sequence], result: StepResult, rows: list[int]) -> list[TokenEvent]:
         assert group.beam is not None

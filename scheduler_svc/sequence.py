@@ -13,10 +13,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from scheduler_svc.sequence_group import SequenceGroup
 
 _U64 = (1 << 64) - 1
+_EMPTY = np.zeros(0, np.int32)
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -95,6 +98,9 @@ class Sequence:
     # comparison: tokens that end the sequence, and the length at which it ends anyway.
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     token_limit: int = field(default=0, repr=False)
+    # Tokens as an int32 buffer and how many of them are filled in: kept only for penalized
+    # sequences, whose history every sampling step sends to the worker.
+    token_buffer: tuple[np.ndarray, int] = field(default_factory=lambda: (_EMPTY, 0), repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

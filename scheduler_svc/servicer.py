@@ -28,11 +28,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         req = wire.generation_request(request)
         headers = {k: v for k, v in (context.invocation_metadata() or ()) if k in ID_HEADERS and isinstance(v, str)}
-        # The request id: the field, else the caller's x-request-id, else a fresh one.
-        request_id = req.request_id or headers.get("x-request-id") or uuid.uuid4().hex
-        echo = {"x-request-id": request_id, **{k: v for k, v in headers.items() if k != "x-request-id"}}
+        # Only the request_id field is a key (unique while in flight, the handle for Abort):
+        # trace headers may be shared by several calls, so they are echoed and logged, not keys.
+        request_id = req.request_id or uuid.uuid4().hex
+        echo = {"x-request-id": request_id, **headers}
         await context.send_initial_metadata(tuple(echo.items()))
-        with structlog.contextvars.bound_contextvars(**{k.replace("-", "_"): v for k, v in echo.items()}):
+        with structlog.contextvars.bound_contextvars(**{k.replace("-", "_"): v for k, v in headers.items()}):
             async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id)):
                 yield wire.generate_response(out)
 

@@ -166,7 +166,7 @@ class StepPlanner:
             need += sum(bm.blocks_for(s.num_tokens) - shared for s in live[1:])
             live = live[:1]
         for seq in live:
-            hit = bm.prefix_hit(seq.seq_id, seq.token_ids)
+            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
             start = len(hit) * bm.block_size
             left = seq.num_tokens - start
             q = min(left, budget)
@@ -237,5 +237,6 @@ class StepPlanner:
             bm.attach(seq.seq_id, hit)
             seq.num_computed_tokens = len(hit) * bm.block_size
             group.prefix_hit_tokens += seq.num_computed_tokens
-            self.s.prefix_hit_tokens += seq.num_computed_tokens
-            self.s.prefix_queried_tokens += seq.num_tokens
+            if seq.sampling.prompt_logprobs is None:  # the others never query the cache
+                self.s.prefix_hit_tokens += seq.num_computed_tokens
+                self.s.prefix_queried_tokens += seq.num_tokens

@@ -68,14 +68,21 @@ async def test_model_info_and_load(tiny_scheduler: Scheduler) -> None:
     assert idle.groups[0].free_gpu_blocks == idle.groups[0].num_gpu_blocks
 
 
-async def test_request_id_metadata_is_echoed_and_used(tiny_scheduler: Scheduler) -> None:
-    call = tiny_scheduler.stub.Generate(
-        request(ids=[3, 4], max_tokens=2), metadata=(("x-request-id", "abc-123"), ("x-correlation-id", "corr-9"))
-    )
-    messages = [m async for m in call]
-    headers = dict(await call.initial_metadata())
-    assert headers["x-request-id"] == "abc-123" and headers["x-correlation-id"] == "corr-9"
-    assert {m.request_id for m in messages} == {"abc-123"}
+async def test_request_id_metadata_is_echoed_and_never_a_key(tiny_scheduler: Scheduler) -> None:
+    metadata = (("x-request-id", "abc-123"), ("x-correlation-id", "corr-9"))
+    # Two calls may share a trace id: both are served.
+    calls = [tiny_scheduler.stub.Generate(request(ids=[3, 4], max_tokens=2), metadata=metadata) for _ in range(2)]
+    for call in calls:
+        messages = [m async for m in call]
+        headers = dict(await call.initial_metadata())
+        assert headers["x-request-id"] == "abc-123" and headers["x-correlation-id"] == "corr-9"
+        assert len(messages) == 2 and messages[0].request_id  # a server-assigned request id
+    assert (await calls[0].initial_metadata()) == (await calls[1].initial_metadata())
+    # Without the header, the request's own id is echoed.
+    call = tiny_scheduler.stub.Generate(pb.GenerateRequest(request_id="mine", prompt_token_ids=[3, 4],
+                                                           stopping=pb.StoppingCriteria(max_tokens=1)))
+    assert [m.request_id async for m in call] == ["mine"]
+    assert dict(await call.initial_metadata())["x-request-id"] == "mine"
 
 
 async def test_logprobs_come_with_each_token(tiny_scheduler: Scheduler) -> None:
@@ -143,6 +150,9 @@ async def test_include_stop_str_in_output_and_the_matched_stop(tiny_scheduler: S
         ({"min_tokens": 9}, grpc.StatusCode.INVALID_ARGUMENT, "stopping.min_tokens"),
         ({"prompt_logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.prompt_logprobs"),
         ({"beam_width": 2, "logprobs": 1}, grpc.StatusCode.UNIMPLEMENTED, "sampling.logprobs"),
+        ({"beam_width": 2, "min_tokens": 2}, grpc.StatusCode.UNIMPLEMENTED, "stopping.min_tokens"),
+        ({"beam_width": 2, "repetition_penalty": 1.2}, grpc.StatusCode.UNIMPLEMENTED, "sampling.repetition_penalty"),
+        ({"beam_width": 2, "logit_bias": {5: 1.0}}, grpc.StatusCode.UNIMPLEMENTED, "sampling.logit_bias"),
     ],
 )
 async def test_bad_processing_options_are_refused(tiny_scheduler: Scheduler, fields: dict, code: grpc.StatusCode, where: str) -> None:

@@ -80,8 +80,8 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
         grpc_labels = 'grpc_type="server_stream",grpc_service="llmserve.v1.Generation",grpc_method="Generate"'
         assert value(idle, "grpc_server_started_total", grpc_labels) == 4
         assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="OK"') == 2
-        assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="INVALID_ARGUMENT"') == 1
-        assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="CANCELLED"') == 1
+        assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="InvalidArgument"') == 1
+        assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="Canceled"') == 1
         assert value(idle, "grpc_server_msg_sent_total", grpc_labels) >= 11
 
         w = scrape(worker_metrics)

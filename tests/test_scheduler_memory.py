@@ -366,3 +366,60 @@ def test_a_group_that_preempts_itself_comes_back_in_a_later_step() -> None:
     s.update(plan, fake_execute(plan))
     drive(s)
     assert all(q.num_output_tokens == 8 for q in group.seqs)
+
+
+def _scoring_worker(plan: StepPlan) -> StepResult:
+    """fake_execute plus prompt log-probabilities from the worker's real scoring routine, over
+    a fake model whose logits row for a position is [position, position + 1, ...]."""
+    import torch
+
+    from worker_svc.logprobs import prompt_logprobs
+
+    result = fake_execute(plan)
+    s = plan.sampling
+    if not (s.prompt_logprobs.size and s.prompt_logprobs.max() >= 0):
+        return result
+    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    positions = np.concatenate([np.arange(c, c + q) for c, q in zip(plan.context_lens, plan.query_lens)])
+    hidden = torch.tensor(positions, dtype=torch.float32)[:, None]
+    values = prompt_logprobs(lambda h: h * 0.01 * torch.arange(VOCAB, dtype=torch.float32)[None, :], hidden, starts,
+                             plan.input_ids, s.prompt_logprobs, s.prompt_next_token)
+    fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
+    return StepResult(result.step_id, result.sampled_token_ids, logprobs=result.logprobs, **dict(zip(fields, values)))
+
+
+def _expected_prompt_scores(prompt: list[int]) -> list[tuple[int, float]]:
+    import torch
+
+    out = []
+    for p in range(1, len(prompt)):
+        row = torch.log_softmax((p - 1) * 0.01 * torch.arange(VOCAB, dtype=torch.float32), -1)
+        out.append((prompt[p], float(row[prompt[p]])))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "budget", "width"),
+    [
+        (17, 16, {}),  # the chunk boundary falls on the last prompt position
+        (17, 2048, {"best_of": 2, "n": 2, "temperature": 1.0, "seed": 3}),  # a sibling re-forks at P-1
+        (100, 32, {}),  # recomputed with other chunk boundaries than the first pass
+    ],
+)
+def test_prompt_scores_survive_recompute_and_forks_exactly_once(prompt_len: int, budget: int, width: dict) -> None:
+    s = make_scheduler(num_blocks=256, preemption_mode="recompute", max_num_batched_tokens=budget)
+    # A neighbour shares the token budget, so the scored request's first chunks are uneven.
+    make_group(s, prompt_of(7, 9), 2, 0)
+    group = make_group(s, prompt_of(1, prompt_len), 6, 1, prompt_logprobs=1, **width)
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan is not None
+        s.update(plan, _scoring_worker(plan))
+    s.preempt(group)
+    while (plan := s.schedule()) is not None:
+        s.update(plan, _scoring_worker(plan))
+        s.check_integrity()
+    got = [(t, lp) for t, lp, _ in group.prompt_logprobs]
+    want = _expected_prompt_scores(group.seqs[0].prompt_token_ids)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)

@@ -46,6 +46,9 @@ def step_logprobs(
     return chosen, top_ids, top_lps
 
 
+_SLICE = 256  # prompt positions scored at once
+
+
 def prompt_logprobs(
     logits_of: Callable[[torch.Tensor], torch.Tensor],  # hidden rows -> float32 logits
     hidden: torch.Tensor,  # [num_tokens, hidden] of the whole step
@@ -75,14 +78,20 @@ def prompt_logprobs(
     if not rows:
         return offsets, np.zeros(0, np.float32), np.zeros((0, max(width, 0)), np.int32), np.zeros((0, max(width, 0)), np.float32)
     dev = hidden.device
-    lps = torch.log_softmax(logits_of(hidden.index_select(0, torch.tensor(rows, device=dev))).float(), dim=-1)
-    chosen = lps.gather(1, torch.tensor(targets, device=dev).view(-1, 1)).squeeze(1).cpu().numpy()
-    top_ids = np.full((len(rows), width), -1, np.int32)
-    top_lps = np.full((len(rows), width), -np.inf, np.float32)
-    if width > 0:
-        values, ids = lps.topk(width, dim=-1)
-        per_entry = np.repeat(asked, np.diff(offsets))  # each entry's own row limit
-        keep = np.arange(width)[None, :] < per_entry[:, None]
-        top_ids = np.where(keep, ids.cpu().numpy(), -1).astype(np.int32)
-        top_lps = np.where(keep, values.cpu().numpy(), -np.inf).astype(np.float32)
-    return offsets, chosen.astype(np.float32), top_ids, top_lps
+    chosen = np.empty(len(rows), np.float32)
+    top_ids = np.full((len(rows), max(width, 0)), -1, np.int32)
+    top_lps = np.full((len(rows), max(width, 0)), -np.inf, np.float32)
+    per_entry = np.repeat(asked, np.diff(offsets))  # each entry's own row limit
+    # In slices: a whole prefill chunk's [tokens, vocab] float32 logits would dwarf the step's
+    # profiled peak (2048 x 128k vocab is 1 GiB, twice with the log-softmax).
+    for a in range(0, len(rows), _SLICE):
+        b = min(a + _SLICE, len(rows))
+        index = torch.tensor(rows[a:b], device=dev)
+        lps = torch.log_softmax(logits_of(hidden.index_select(0, index)).float(), dim=-1)
+        chosen[a:b] = lps.gather(1, torch.tensor(targets[a:b], device=dev).view(-1, 1)).squeeze(1).cpu().numpy()
+        if width > 0:
+            values, ids = lps.topk(width, dim=-1)
+            keep = np.arange(width)[None, :] < per_entry[a:b, None]
+            top_ids[a:b] = np.where(keep, ids.cpu().numpy(), -1)
+            top_lps[a:b] = np.where(keep, values.cpu().numpy(), -np.inf)
+    return offsets, chosen, top_ids, top_lps
