@@ -27,7 +27,7 @@ from common.pb.fmaas import generation_pb2 as pb
 from common.pb.fmaas import generation_pb2_grpc
 from scheduler_svc import tgis_wire
 from scheduler_svc.engine import Engine
-from scheduler_svc.request import GenerationRequest, RequestOutput
+from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.tgis_wire import TgisParams, TimeLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -65,14 +65,15 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         if end is None:  # pragma: no cover (the engine always ends a stream with a finish reason)
             raise RuntimeError("the engine ended a generation without output")
         output_ids = [t for o in outputs for t in o.token_ids]
+        output_details: list[TokenLogprob | None] = [d for o in outputs for d in o.logprobs]
         return tgis_wire.generation_response(
             params,
             text,
             len(prompt_ids),
-            self._token_texts(prompt_ids) if params.input_tokens else [],
+            self._input_infos(params, prompt_ids, outputs[0] if outputs else None),
             outputs,
             end,
-            self._token_texts(output_ids) if params.generated_tokens else [],
+            self._infos(params, output_ids, output_details) if params.generated_tokens else [],
             seed,
         )
 
@@ -85,12 +86,15 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         head = False
         async with aclosing(_run(self._engine.generate(req), deadline)) as stream:
             async for out in stream:
+                first = out if isinstance(out, RequestOutput) else None
                 if not head:
                     head = True
-                    input_tokens = self._token_texts(prompt_ids) if params.input_tokens else []
+                    input_tokens = self._input_infos(params, prompt_ids, first)
                     yield tgis_wire.stream_head(params, text, len(prompt_ids), input_tokens, seed)
-                ids = out.token_ids if isinstance(out, RequestOutput) and params.generated_tokens else []
-                yield tgis_wire.stream_message(params, out, self._token_texts(ids))
+                tokens = []
+                if first is not None and params.generated_tokens:
+                    tokens = self._infos(params, first.token_ids, list(first.logprobs))
+                yield tgis_wire.stream_message(params, out, tokens)
 
     async def Tokenize(  # noqa: N802 (gRPC method name)
         self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
@@ -122,6 +126,19 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _token_texts(self, ids: list[int]) -> list[str]:
         backend = self._engine.tokenizer.backend
         return [backend.id_to_token(t) or "" for t in ids]
+
+    def _text_of(self, token: int) -> str:
+        return self._engine.tokenizer.backend.id_to_token(token) or ""
+
+    def _infos(self, params: TgisParams, ids: list[int], details: list[TokenLogprob | None]) -> list[pb.TokenInfo]:
+        return tgis_wire.token_infos(params, self._token_texts(ids), details, self._text_of)
+
+    def _input_infos(self, params: TgisParams, prompt_ids: list[int], first: RequestOutput | None) -> list[pb.TokenInfo]:
+        """The prompt's tokens, with their scores (which the first output carries) when asked."""
+        if not params.input_tokens:
+            return []
+        details: list[TokenLogprob | None] = [None, *first.prompt_logprobs] if first is not None else []
+        return self._infos(params, prompt_ids, details)
 
 
 def _keep(num_tokens: int, truncate: int) -> int:

@@ -10,11 +10,12 @@ not applicable here either.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument, Unimplemented
 from common.pb.fmaas import generation_pb2 as pb
-from scheduler_svc.request import GenerationRequest, RequestOutput
+from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
 
 # TGIS: "max_new_tokens: Default (0) is currently 20".
@@ -22,6 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = 20
 # TGIS servers return a matched stop sequence unless configured otherwise
 # (`--default-include-stop-seqs`, default true); a request may say either.
 DEFAULT_INCLUDE_STOP_SEQUENCE = True
+MAX_TOP_N_TOKENS = 10
 
 _STOP_REASON = {
     None: pb.NOT_FINISHED,
@@ -52,6 +54,13 @@ class TgisParams:
     input_text: bool = False
     generated_tokens: bool = False
     input_tokens: bool = False
+    token_logprobs: bool = False  # with returned tokens: each one's log-probability
+    top_n_tokens: int = 0  # with returned tokens: the most likely alternatives at each
+
+    @property
+    def _alternatives(self) -> int | None:
+        """Our logprobs count for the returned tokens (None: no details asked)."""
+        return self.top_n_tokens if self.token_logprobs or self.top_n_tokens else None
 
     def generation_request(self, prompt_token_ids: list[int], max_model_len: int, seed: int | None) -> GenerationRequest:
         """Our request for one prompt. `seed` is the one to use (drawn by the caller if unset).
@@ -73,6 +82,8 @@ class TgisParams:
             min_tokens=self.min_new_tokens,
             include_stop_str_in_output=self.include_stop_sequence,
             repetition_penalty=self.repetition_penalty,
+            logprobs=self._alternatives if self.generated_tokens else None,
+            prompt_logprobs=self._alternatives if self.input_tokens else None,
         )
 
 
@@ -110,11 +121,10 @@ def params(msg: pb.Parameters) -> TgisParams:
         raise Unimplemented("params.sampling.typical_p: typical sampling is not supported")
     _check_decoding(msg.decoding)
     # Token details apply only to a returned token list (TGIS ignores them otherwise).
-    if resp.generated_tokens or resp.input_tokens:
-        for name, wanted in (("token_logprobs", resp.token_logprobs), ("token_ranks", resp.token_ranks),
-                             ("top_n_tokens", resp.top_n_tokens > 0)):
-            if wanted:
-                raise Unimplemented(f"params.response.{name}: per-token log-probabilities and ranks are not supported")
+    if (resp.generated_tokens or resp.input_tokens) and resp.token_ranks:
+        raise Unimplemented("params.response.token_ranks: token ranks are not supported")
+    if resp.top_n_tokens > MAX_TOP_N_TOKENS:
+        raise InvalidArgument("params.response.top_n_tokens", f"at most {MAX_TOP_N_TOKENS}, got {resp.top_n_tokens}")
     if len(set(stop.stop_sequences)) != len(stop.stop_sequences):
         raise InvalidArgument("params.stopping.stop_sequences", "duplicate stop sequence")
     max_new = stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -141,6 +151,8 @@ def params(msg: pb.Parameters) -> TgisParams:
         input_text=resp.input_text,
         generated_tokens=resp.generated_tokens,
         input_tokens=resp.input_tokens,
+        token_logprobs=resp.token_logprobs,
+        top_n_tokens=resp.top_n_tokens,
     )
 
 
@@ -161,18 +173,34 @@ def stop_reason(out: RequestOutput | TimeLimit) -> pb.StopReason:
     return pb.TIME_LIMIT if isinstance(out, TimeLimit) else _STOP_REASON[out.finish_reason]
 
 
-def _tokens(texts: list[str]) -> list[pb.TokenInfo]:
-    return [pb.TokenInfo(text=t) for t in texts]
+def token_infos(
+    p: TgisParams,
+    texts: list[str],
+    details: list[TokenLogprob | None],
+    text_of: Callable[[int], str],
+) -> list[pb.TokenInfo]:
+    """TokenInfo of each returned token; `details[i]` is token i's log-probability entry (None
+    for a prompt's first token, which has nothing before it: TGIS reports NaN there)."""
+    infos = []
+    padded = list(details) + [None] * (len(texts) - len(details))
+    for text, detail in zip(texts, padded):
+        info = pb.TokenInfo(text=text)
+        if p.token_logprobs:
+            info.logprob = detail.logprob if detail is not None else math.nan
+        if p.top_n_tokens and detail is not None:
+            info.top_tokens.extend(pb.TokenInfo.TopToken(text=text_of(t), logprob=v) for t, v in detail.top[: p.top_n_tokens])
+        infos.append(info)
+    return infos
 
 
 def generation_response(
     p: TgisParams,
     prompt: str,
     input_token_count: int,
-    input_tokens: list[str],
+    input_tokens: list[pb.TokenInfo],
     outputs: list[RequestOutput],
     end: RequestOutput | TimeLimit,
-    output_tokens: list[str],
+    output_tokens: list[pb.TokenInfo],
     seed: int | None,
 ) -> pb.GenerationResponse:
     """The whole result of one prompt (Generate): the outputs joined, `end` saying why it ended.
@@ -188,24 +216,24 @@ def generation_response(
         stop_reason=stop_reason(end),
         stop_sequence=_stop_sequence(end),
         seed=seed or 0,
-        tokens=_tokens(output_tokens) if p.generated_tokens else [],
-        input_tokens=_tokens(input_tokens) if p.input_tokens else [],
+        tokens=output_tokens if p.generated_tokens else [],
+        input_tokens=input_tokens if p.input_tokens else [],
     )
 
 
 def stream_head(
-    p: TgisParams, prompt: str, input_token_count: int, input_tokens: list[str], seed: int | None
+    p: TgisParams, prompt: str, input_token_count: int, input_tokens: list[pb.TokenInfo], seed: int | None
 ) -> pb.GenerationResponse:
     """First GenerateStream message: the input's details, no generated text yet."""
     return pb.GenerationResponse(
         input_token_count=input_token_count,
         text=prompt if p.input_text else "",
         seed=seed or 0,
-        input_tokens=_tokens(input_tokens) if p.input_tokens else [],
+        input_tokens=input_tokens if p.input_tokens else [],
     )
 
 
-def stream_message(p: TgisParams, out: RequestOutput | TimeLimit, output_tokens: list[str]) -> pb.GenerationResponse:
+def stream_message(p: TgisParams, out: RequestOutput | TimeLimit, output_tokens: list[pb.TokenInfo]) -> pb.GenerationResponse:
     """A GenerateStream message for one engine output (its new tokens and text)."""
     if isinstance(out, TimeLimit):
         return pb.GenerationResponse(generated_token_count=out.generated, stop_reason=pb.TIME_LIMIT)
@@ -214,7 +242,7 @@ def stream_message(p: TgisParams, out: RequestOutput | TimeLimit, output_tokens:
         text=out.text,
         stop_reason=stop_reason(out),
         stop_sequence=_stop_sequence(out),
-        tokens=_tokens(output_tokens) if p.generated_tokens else [],
+        tokens=output_tokens if p.generated_tokens else [],
     )
 
 

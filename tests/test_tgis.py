@@ -169,9 +169,7 @@ async def test_sampling_is_reproducible_from_the_reported_seed(tiny_scheduler: S
     ("field", "edit"),
     [
         ("params.sampling.typical_p", lambda p: (setattr(p, "method", tgis.SAMPLE), setattr(p.sampling, "typical_p", 0.5))),
-        ("params.response.token_logprobs", lambda p: (setattr(p.response, "generated_tokens", True), setattr(p.response, "token_logprobs", True))),
         ("params.response.token_ranks", lambda p: (setattr(p.response, "input_tokens", True), setattr(p.response, "token_ranks", True))),
-        ("params.response.top_n_tokens", lambda p: (setattr(p.response, "generated_tokens", True), setattr(p.response, "top_n_tokens", 2))),
         ("params.decoding.length_penalty", lambda p: p.decoding.length_penalty.SetInParent()),
         ("params.decoding.regex", lambda p: setattr(p.decoding, "regex", "[0-9]+")),
         ("params.decoding.json_schema", lambda p: setattr(p.decoding, "json_schema", "{}")),
@@ -185,6 +183,25 @@ async def test_unsupported_options_are_unimplemented_naming_the_field(tiny_sched
             await call
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert err.value.details().startswith(field + ":"), err.value.details()
+
+
+async def test_token_logprobs_and_top_tokens_match_the_native_api(tiny_scheduler: Scheduler) -> None:
+    p = params(5, generated_tokens=True, input_tokens=True, token_logprobs=True, top_n_tokens=2)
+    messages = await stream(tiny_scheduler, single(PROMPTS[1], p))
+    inputs = messages[0].input_tokens
+    assert inputs and str(inputs[0].logprob) == "nan" and not inputs[0].top_tokens  # nothing precedes it
+    assert all(t.logprob <= 0 and len(t.top_tokens) == 2 for t in inputs[1:])
+    generated = [t for m in messages[1:] for t in m.tokens]
+    native = await collect(tiny_scheduler.stub, request(PROMPTS[1], max_tokens=5, logprobs=2, prompt_logprobs=2))
+    want = [e for m in native.messages for e in m.logprobs]
+    assert [t.logprob for t in generated] == pytest.approx([e.logprob for e in want], abs=1e-6)
+    assert [t.top_tokens[0].logprob for t in generated] == pytest.approx([e.top[0].logprob for e in want], abs=1e-6)
+    assert [t.logprob for t in inputs[1:]] == pytest.approx([e.logprob for e in native.messages[0].prompt_logprobs], abs=1e-6)
+    batched_one = (await stub(tiny_scheduler).Generate(batched([PROMPTS[1]], p))).responses[0]
+    assert [t.logprob for t in batched_one.tokens] == pytest.approx([t.logprob for t in generated], abs=1e-6)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream(tiny_scheduler, single(PROMPTS[1], params(2, generated_tokens=True, top_n_tokens=11)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_adapters_are_unimplemented_and_bad_input_is_invalid(tiny_scheduler: Scheduler) -> None:
