@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -117,6 +118,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
         help="auto = triton on CUDA, torch on CPU",
     )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)")
+    p.add_argument(
+        "--dist-timeout", type=float, default=60.0,
+        help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -136,7 +142,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_server_flags(sched, 50051)
     _add_security_flags(sched)
     _add_scheduler_flags(sched)
-    sched.add_argument("--worker", required=True, help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock")
+    sched.add_argument(
+        "--worker", required=True,
+        help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock; a tensor-parallel group: its ranks' addresses, comma-separated, in rank order",
+    )
     _add_worker_tls_flags(sched)
     sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
 
@@ -146,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
+    # Set by `worker --tp N` on each rank process it starts.
+    worker.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    worker.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
+    worker.add_argument("--dist-init", default="", help=argparse.SUPPRESS)
     _add_security_flags(worker)
     _add_worker_flags(worker)
 
@@ -259,6 +272,11 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         ),
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
+        # Only a rank process started by `worker --tp N` has these.
+        rank=getattr(a, "rank", None) or 0,
+        world_size=getattr(a, "world_size", None) or 1,
+        dist_init_method=getattr(a, "dist_init", ""),
+        dist_timeout=a.dist_timeout,
     )
 
 
@@ -283,11 +301,66 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
     _run_until_signal(body)
 
 
+def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
+    """The worker command line (without --listen) that carries this invocation's worker flags."""
+    cmd = [
+        sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model,
+        "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+        "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+        "--swap-space-gb", str(a.swap_space_gb), "--dist-timeout", str(a.dist_timeout),
+    ]
+    for flag, value in (("--num-gpu-blocks", a.num_gpu_blocks), ("--kv-cache-gb", a.kv_cache_gb),
+                        ("--num-cpu-blocks", a.num_cpu_blocks)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if a.no_reflection:
+        cmd += ["--no-reflection"]
+    return cmd
+
+
+def _check_tp(model: str, tp: int) -> None:
+    """Refuse a group size the model cannot split before any rank starts (ValueError: exit 2)."""
+    if tp == 1:
+        return
+    import json
+
+    from worker_svc.parallel import check_splittable
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    check_splittable(tp, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]))
+
+
+def _run_rank_group(a: argparse.Namespace, model: str) -> None:
+    """`worker --tp N`: start the N ranks, end them all when one ends (or on SIGTERM)."""
+    from common.rank_group import RankGroup
+
+    _check_tp(model, a.tp)
+    cmd = _worker_args(a, model)
+    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+        value = getattr(a, flag.removeprefix("--").replace("-", "_"), None)
+        if value:
+            cmd += [flag, value]
+    group = RankGroup(cmd, a.listen, a.tp)
+    stopping = {"now": False}
+
+    def request_stop(*_: object) -> None:
+        stopping["now"] = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+    group.start()
+    sys.exit(group.wait(lambda: stopping["now"]))
+
+
 def cmd_worker(a: argparse.Namespace) -> None:
     from worker_svc.server import WorkerServer
 
     if a.parent_pid is not None:
         exit_with_parent(a.parent_pid)
+    if a.tp > 1 and a.rank is None:
+        _run_rank_group(a, _model_dir(a.model))
+        return
     tls = _tls_config(a)
     server = WorkerServer(
         _worker_config(a, _model_dir(a.model)), a.listen, tls=tls, reflection=not a.no_reflection,
@@ -302,23 +375,14 @@ def cmd_up(a: argparse.Namespace) -> None:
     server_config = _server_config(a)
     model = _model_dir(a.model)
     _worker_config(a, model)  # validate worker flags before starting anything
+    _check_tp(model, a.tp)
     sockdir = tempfile.mkdtemp(prefix="llmserve-")
     address = f"unix://{sockdir}/worker.sock"
-    worker_cmd = [
-        sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model, "--listen", address,
-        "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
-        "--attention-backend", a.attention_backend,
-        "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--parent-pid", str(os.getpid()),
-    ]
-    if a.num_gpu_blocks is not None:
-        worker_cmd += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
-    if a.kv_cache_gb is not None:
-        worker_cmd += ["--kv-cache-gb", str(a.kv_cache_gb)]
-    worker_cmd += ["--swap-space-gb", str(a.swap_space_gb)]
-    if a.num_cpu_blocks is not None:
-        worker_cmd += ["--num-cpu-blocks", str(a.num_cpu_blocks)]
-    if a.no_reflection:
-        worker_cmd += ["--no-reflection"]
+    worker_cmd = [*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
+    if a.tp > 1:
+        from common.rank_group import rank_addresses
+
+        address = ",".join(rank_addresses(address, a.tp))
     # The TLS flags secure the public scheduler port only. The worker's socket lies in a
     # mkdtemp directory (mode 0700) that only this user's processes can enter, and nothing
     # but our own scheduler dials it, so TLS there would cost handshakes and guard nothing.
@@ -337,9 +401,7 @@ def cmd_up(a: argparse.Namespace) -> None:
             log.info("shutting_down")
             await server.stop()
             worker.stop()
-            with contextlib.suppress(OSError):
-                os.unlink(f"{sockdir}/worker.sock")
-                os.rmdir(sockdir)
+            shutil.rmtree(sockdir, ignore_errors=True)
 
     _run_until_signal(body)
 

@@ -98,6 +98,13 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     # "auto": triton on CUDA, torch on CPU.
     attention_backend: str = "auto"
+    # Tensor parallelism: this process is `rank` of `world_size`, meeting the others at
+    # `dist_init_method` (e.g. tcp://127.0.0.1:29500); collectives give up after dist_timeout
+    # seconds, so a dead or stalled rank ends the group instead of hanging it.
+    rank: int = 0
+    world_size: int = 1
+    dist_init_method: str = ""
+    dist_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -109,6 +116,10 @@ class WorkerConfig:
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
+        _require(self.world_size >= 1, "world_size must be at least 1")
+        _require(0 <= self.rank < self.world_size, f"rank must lie in [0, {self.world_size}), got {self.rank}")
+        _require(self.world_size == 1 or bool(self.dist_init_method), "a group of ranks needs dist_init_method")
+        _require(self.dist_timeout > 0, "dist_timeout must be positive")
 
 
 def _require_file(path: str, what: str) -> None:

@@ -46,6 +46,7 @@ from scheduler_svc.sequence import Sequence
 from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
+from scheduler_svc.worker_group import WorkerGroup
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +60,7 @@ class Engine:
         spec: ModelSpec,
         tokenizer: Tokenizer,
         config: SchedulerConfig,
-        worker: WorkerClient,
+        worker: WorkerClient | WorkerGroup,
         metrics: SchedulerMetrics | None = None,
         on_ready: Callable[[bool], Awaitable[None]] | None = None,
         connect_timeout: float = 30.0,

@@ -20,6 +20,7 @@ from scheduler_svc import tgis_servicer
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.worker_group import WorkerGroup
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +47,7 @@ class SchedulerServer:
             spec,
             Tokenizer(model_dir),
             scheduler_config,
-            WorkerClient(worker_address, step_timeout=step_timeout, tls=worker_tls),
+            _worker(worker_address, step_timeout, worker_tls),
             metrics=self.metrics,
             on_ready=self._on_ready,
             chat_template=ChatTemplate.from_dir(model_dir),
@@ -90,3 +91,11 @@ class SchedulerServer:
         await self.engine.stop()
         await self.server.stop(1.0)
         log.info("scheduler_stopped")
+
+
+def _worker(address: str, step_timeout: float, tls: TlsClientConfig | None) -> WorkerClient | WorkerGroup:
+    """One worker, or the ranks of a tensor-parallel group given as a comma-separated list."""
+    addresses = [a.strip() for a in address.split(",") if a.strip()]
+    if len(addresses) > 1:
+        return WorkerGroup(addresses, step_timeout=step_timeout, tls=tls)
+    return WorkerClient(address, step_timeout=step_timeout, tls=tls)

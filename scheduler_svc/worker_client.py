@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.config import TlsClientConfig
-from common.pb.llmserve.v1 import worker_pb2_grpc
+from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from common.plan import StepPlan, StepResult
 from common.tls import open_channel
 from common.worker_info import WorkerInfo
@@ -55,9 +55,12 @@ class WorkerClient:
         return wire.worker_info(info)
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        return await self.send(plan, wire.step_plan(plan))
+
+    async def send(self, plan: StepPlan, msg: worker_pb2.StepPlan) -> tuple[StepResult, StepTiming]:
+        """Execute `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
         if self._call is None:
             raise WorkerLost(f"worker {self.address} is not connected")
-        msg = wire.step_plan(plan)
         size = msg.ByteSize()
         start = time.perf_counter()
         try:

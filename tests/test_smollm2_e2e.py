@@ -58,11 +58,11 @@ def children_of(pid: int) -> list[int]:
 
 
 class Up:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *extra: str) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", "--model", str(model_dir),
-             "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
+             "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra],
             cwd=REPO,
         )
         self.address = f"127.0.0.1:{self.port}"
@@ -154,6 +154,28 @@ def test_beam_search_equals_transformers_beam_search(up: Up, smollm2_dir: Path, 
     for prompt, gen, (_, ref) in zip(chosen, ours, want):
         assert len(gen.messages) == 1 and gen.final.index == 0
         assert gen.token_ids == ref, f"best beam differs for {prompt!r}"
+
+
+def test_tp3_group_gives_the_greedy_outputs_of_one_worker(smollm2_dir: Path, prompts: list[str]) -> None:
+    """SmolLM2's 9 query and 3 KV heads split over 3 gloo ranks: one KV head each."""
+    chosen = prompts[:2] + prompts[4:6]
+    server = Up(smollm2_dir, "--tp", "3")
+    try:
+        server.wait_serving()
+
+        async def run() -> list:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                return await asyncio.gather(*(collect(stub, request(p, max_tokens=24)) for p in chosen))
+
+        ours = asyncio.run(run())
+        want = reference(smollm2_dir, chosen, max_new_tokens=24)
+        assert [g.token_ids for g in ours] == [w for _, w in want]
+        ranks = children_of(children_of(server.proc.pid)[0])
+        assert len(ranks) == 3
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
 
 
 def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:

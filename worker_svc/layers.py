@@ -1,17 +1,15 @@
-"""Layers of the decoder, each owning how its weights are loaded (`weight_loader`).
+"""The decoder's replicated layers (every rank holds all of them) and the loading helpers the
+tensor-parallel layers of worker_svc/tp_layers.py share.
 
-The loader walks the checkpoint and hands every tensor to the parameter it belongs to,
-with a shard id where several checkpoint tensors fill one parameter:
-
-    qkv_proj.weight   rows [ q (num_heads*head_dim) | k (kv_heads*head_dim) | v (kv_heads*head_dim) ]
-    gate_up_proj.weight rows [ gate (intermediate) | up (intermediate) ]
-
-Fusing them turns three (or two) matmuls into one, which matters most for small batches.
+A `weight_loader(param, loaded, shard_id)` receives what the checkpoint holds for `param`:
+a torch tensor, or a lazy safetensors slice that reads from disk only what is indexed
+(`loaded[a:b]`, `loaded[:, a:b]`). Layers index the part their rank keeps, never the whole
+weight unless the whole weight is theirs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,52 +18,25 @@ from torch import nn
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
 
-WeightLoader = Callable[[torch.Tensor, "str | None"], None]
+# A torch.Tensor or a safetensors PySafeSlice: both take `[a:b]` and `[:, a:b]`.
+Loaded = Any
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def loaded_shape(loaded: Loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(src.shape)}, the model wants {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(src.to(dst.dtype))
 
 
-def _plain_loader(param: nn.Parameter) -> WeightLoader:
-    def load(tensor: torch.Tensor, shard: str | None = None) -> None:
-        _copy_checked(param.data, tensor, "weight")
-
-    return load
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b); `shards` names row ranges filled from separate checkpoint tensors."""
-
-    def __init__(self, in_features: int, shards: dict[str, int] | int, bias: bool = False) -> None:
-        super().__init__()
-        self.shards = shards if isinstance(shards, dict) else {"": shards}
-        out_features = sum(self.shards.values())
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.weight_loader = self._loader(param)  # type: ignore[attr-defined]
-                param.shard_ids = tuple(self.shards)  # type: ignore[attr-defined]
-
-    def _loader(self, param: nn.Parameter) -> WeightLoader:
-        def load(tensor: torch.Tensor, shard: str | None = None) -> None:
-            key = shard or ""
-            if key not in self.shards:
-                raise ValueError(f"unknown shard {shard!r}, this layer has {sorted(self.shards)}")
-            start = 0
-            for name, size in self.shards.items():
-                if name == key:
-                    break
-                start += size
-            _copy_checked(param.data[start : start + self.shards[key]], tensor, f"shard {key or 'weight'}")
-
-        return load
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+def load_replicated(param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+    """The whole tensor, on every rank (norms, row-parallel biases)."""
+    if loaded_shape(loaded) != tuple(param.shape):
+        raise ValueError(f"weight: checkpoint tensor has shape {loaded_shape(loaded)}, the model wants {tuple(param.shape)}")
+    copy_checked(param.data, loaded[:], "weight")
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = _plain_loader(self.weight)  # type: ignore[attr-defined]
+        self.weight.weight_loader = load_replicated  # type: ignore[attr-defined]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -107,13 +78,3 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-
-class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = _plain_loader(self.weight)  # type: ignore[attr-defined]
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)

@@ -1,8 +1,9 @@
 """Loading a Hugging Face checkpoint (config.json + safetensors) into our model.
 
-No hub access: the path must be a local directory. Tensors are read one at a time from the
-safetensors files and handed to `CausalLM.load_weights`, so peak memory stays near one copy
-of the weights.
+No hub access: the path must be a local directory. Every checkpoint tensor is handed to
+`CausalLM.load_weights` as a lazy safetensors slice, and the parameter's weight_loader reads
+only the rows or columns its tensor-parallel rank keeps: no rank ever materialises a full
+weight it does not hold, and peak memory stays near one copy of the rank's shard.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from worker_svc.layers import Loaded
 from worker_svc.model import CausalLM
+from worker_svc.parallel import SINGLE, ParallelGroup
 
 log = structlog.get_logger(__name__)
 
@@ -66,11 +69,13 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, Loaded]]:
+    """(name, lazy slice) of every checkpoint tensor; a slice reads from disk only what is
+    indexed, and is valid until the next item (its file stays open until then)."""
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -86,10 +91,12 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     attention_backend: str = "torch",
+    group: ParallelGroup = SINGLE,
 ) -> CausalLM:
+    """This rank's shard of the model (the whole model for a group of one)."""
     config = load_config(model_dir)
     with torch.device(device):
-        model = CausalLM(config, dtype, max_positions, attention_backend)
+        model = CausalLM(config, dtype, max_positions, attention_backend, group)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     log.info(
@@ -100,6 +107,8 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         attention_backend=attention_backend,
+        tp_rank=group.rank,
+        tp_size=group.world_size,
         parameters=sum(p.numel() for p in model.parameters()),
     )
     return model

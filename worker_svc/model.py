@@ -15,8 +15,17 @@ import torch
 from torch import nn
 
 from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
-from worker_svc.layers import Embedding, Linear, RMSNorm, SiluAndMul
+from worker_svc.layers import Loaded, RMSNorm, SiluAndMul
+from worker_svc.parallel import SINGLE, ParallelGroup, check_splittable
 from worker_svc.rotary import RotaryEmbedding
+from worker_svc.tp_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_head_range,
+)
 from worker_svc.triton_attention import TritonPagedAttention
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -38,7 +47,13 @@ _FUSED = (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers that define the network, read once from the HF config."""
+    """The numbers that define the network, read once from the HF config.
+
+    Under tensor parallelism (`tp_size` > 1) `num_heads` and `num_kv_heads` are this rank's
+    share, because that is what the KV cache and the attention backends hold and compute;
+    `total_num_heads` / `total_num_kv_heads` are the checkpoint's. Every other number is
+    the checkpoint's: each TP layer divides its own widths (vocab, intermediate size).
+    """
 
     architecture: str
     vocab_size: int
@@ -53,10 +68,20 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    mlp_bias: bool
+    mlp_bias: bool = False
+    tp_size: int = 1
+    total_num_heads: int = 0  # 0: same as num_heads
+    total_num_kv_heads: int = 0  # 0: same as num_kv_heads
+
+    def __post_init__(self) -> None:
+        if not self.total_num_heads:
+            object.__setattr__(self, "total_num_heads", self.num_heads)
+        if not self.total_num_kv_heads:
+            object.__setattr__(self, "total_num_kv_heads", self.num_kv_heads)
 
     @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
+    def from_config(cls, config: Any, tp_size: int = 1) -> ModelShape:
+        """The shape one rank of a group of `tp_size` sees; refuses a size the model cannot split."""
         archs = getattr(config, "architectures", None) or []
         arch = archs[0] if archs else "LlamaForCausalLM"
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -67,6 +92,8 @@ class ModelShape:
                 raise ValueError("Mistral with a sliding window shorter than the context is not supported")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        check_splittable(tp_size, heads, kv_heads, text.intermediate_size)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(text, "attention_bias", False))
         return cls(
@@ -75,8 +102,8 @@ class ModelShape:
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
             num_layers=text.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            num_heads=heads // tp_size,
+            num_kv_heads=kv_head_range(kv_heads, ParallelGroup(0, tp_size))[1],
             head_dim=head_dim,
             rms_norm_eps=text.rms_norm_eps,
             max_position_embeddings=text.max_position_embeddings,
@@ -85,22 +112,29 @@ class ModelShape:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            tp_size=tp_size,
+            total_num_heads=heads,
+            total_num_kv_heads=kv_heads,
         )
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend) -> None:
+    """This rank's heads: qkv_proj yields its query heads and their KV heads, o_proj sums the ranks."""
+
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, group: ParallelGroup) -> None:
         super().__init__()
         h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.qkv_proj = Linear(shape.hidden_size, {"q": h * d, "k": kvh * d, "v": kvh * d}, bias=shape.qkv_bias)
-        self.o_proj = Linear(h * d, shape.hidden_size, bias=shape.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            shape.hidden_size, d, shape.total_num_heads, shape.total_num_kv_heads, group, bias=shape.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias)
         self.rotary = rotary
         self.backend = backend
 
     def forward(self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
+        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim], this rank's heads
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -111,11 +145,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape, fused: bool) -> None:
+    def __init__(self, shape: ModelShape, fused: bool, group: ParallelGroup) -> None:
         super().__init__()
         inter = shape.intermediate_size
-        self.gate_up_proj = Linear(shape.hidden_size, {"gate": inter, "up": inter}, bias=shape.mlp_bias)
-        self.down_proj = Linear(inter, shape.hidden_size, bias=shape.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, inter, group, bias=shape.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias)
         self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +157,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool, group: ParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
-        self.self_attn = Attention(shape, rotary, backend)
+        self.self_attn = Attention(shape, rotary, backend, group)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
-        self.mlp = MLP(shape, fused)
+        self.mlp = MLP(shape, fused, group)
 
     def forward(
         self,
@@ -145,10 +179,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool, group: ParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, fused) for _ in range(shape.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, fused, group) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
 
 
@@ -157,14 +191,25 @@ class CausalLM(nn.Module):
 
     `attention_backend` "triton" runs attention, the KV store, RMSNorm, rotary and SiLU-and-mul
     through our Triton kernels (matmuls stay with cuBLAS); "torch" keeps everything in torch.
+
+    `group` is this process's tensor-parallel group: the model holds that rank's shard and
+    its forward calls the group's collectives (every rank of the group must run it).
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int | None = None, attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        max_positions: int | None = None,
+        attention_backend: str = "torch",
+        group: ParallelGroup = SINGLE,
+    ) -> None:
         super().__init__()
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}")
-        shape = ModelShape.from_config(config)
+        shape = ModelShape.from_config(config, group.world_size)
         self.shape = shape
+        self.group = group
         fused = attention_backend == "triton"
         self.rotary = RotaryEmbedding(
             config.get_text_config() if hasattr(config, "get_text_config") else config,
@@ -175,9 +220,10 @@ class CausalLM(nn.Module):
         )
         backend_cls = TritonPagedAttention if fused else TorchPagedAttention
         self.attention: Backend = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5)
-        self.model = DecoderModel(shape, self.rotary, self.attention, fused)
-        # A tied head reads the embedding matrix: no second copy, and no lm_head in the checkpoint.
-        self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size)
+        self.model = DecoderModel(shape, self.rotary, self.attention, fused, group)
+        # A tied head reads the embedding's shard: no second copy, and no lm_head in the checkpoint.
+        tied = self.model.embed_tokens if shape.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied)
         self.to(dtype)
 
     def forward(
@@ -196,12 +242,14 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 [n, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """[n, hidden] -> float32 [n, vocab] (the full vocabulary, on every rank)."""
+        return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hand every checkpoint tensor to its parameter's weight_loader; refuse gaps and strays."""
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Hand every checkpoint tensor to its parameter's weight_loader; refuse gaps and strays.
+
+        A tensor may be a lazy safetensors slice: the weight_loader reads only this rank's part.
+        """
         params = dict(self.named_parameters())
         expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", ("",))}
         loaded: set[tuple[str, str]] = set()
@@ -216,7 +264,7 @@ class CausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name} has no place in {self.shape.architecture}")
-            param.weight_loader(tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
+            param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
             loaded.add((name, shard or ""))
         missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in expected - loaded)
         if missing:

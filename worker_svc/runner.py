@@ -25,6 +25,7 @@ from worker_svc.loader import (
 )
 from worker_svc.logprobs import prompt_logprobs, step_logprobs
 from worker_svc.logits_processor import process_logits
+from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.sampler import sample
 
 log = structlog.get_logger(__name__)
@@ -35,12 +36,16 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig) -> None:
+    """`group`: the tensor-parallel group this runner is a rank of; every rank must run the
+    same plans in the same order (the forward holds collectives)."""
+
+    def __init__(self, config: WorkerConfig, group: ParallelGroup = SINGLE) -> None:
         self.config = config
+        self.group = group
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend)
+        self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
         self.shape = self.model.shape
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
@@ -68,8 +73,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            rank=0,
-            world_size=1,
+            rank=self.group.rank,
+            world_size=self.group.world_size,
             block_size=self.block_size,
             num_gpu_blocks=self.kv.num_blocks,
             num_cpu_blocks=self.kv.num_cpu_blocks,

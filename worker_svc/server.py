@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import grpc
 import structlog
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import TlsConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_port, tls_mode
+from worker_svc.loader import resolve_device
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.parallel import init_group
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
@@ -41,9 +45,11 @@ class WorkerServer:
         self.reflection = reflection
         # Loading comes first: the port opens only when the worker can answer the handshake,
         # so a scheduler waiting on the channel never sees a half-ready worker.
-        self.runner = ModelRunner(config)
+        device = rank_device(resolve_device(config.device), config.rank, config.world_size)
+        group = init_group(config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout)
+        self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
         self.metrics_port = metrics_port
-        self.metrics = WorkerMetrics(Path(config.model).name)
+        self.metrics = WorkerMetrics(Path(config.model).name, config.rank)
         self.metrics.gpu_blocks.set(self.runner.kv.num_blocks)
         self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
         self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics)
@@ -79,3 +85,10 @@ class WorkerServer:
         await self.server.stop(self.grace_seconds)
         self.servicer.shutdown()
         log.info("worker_stopped")
+
+
+def rank_device(device: torch.device, rank: int, world_size: int) -> torch.device:
+    """One GPU per rank: rank r of a group on CUDA runs on cuda:r unless a device was named."""
+    if device.type == "cuda" and world_size > 1 and (device.index in (None, 0)):
+        return torch.device("cuda", rank)
+    return device

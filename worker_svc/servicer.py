@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,6 +57,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except (ValueError, PlanError) as error:
                     log.error("plan_refused", step_id=msg.step_id, reason=str(error))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
+                except Exception as error:  # noqa: BLE001
+                    group = self._runner.group
+                    if group.world_size > 1:
+                        # A collective failed (a peer died or stalled past the timeout): this
+                        # rank's group is broken for good and every later step would fail or
+                        # hang. Exit, so the group's launcher ends the other ranks too.
+                        log.error("rank_failed", rank=group.rank, world_size=group.world_size,
+                                  step_id=msg.step_id, reason=str(error))
+                        os._exit(3)
+                    raise
                 yield wire.step_result(result)
         finally:
             self._stream_lock.release()

@@ -1,0 +1,82 @@
+"""`llmserve worker --tp N`: the N rank processes of one tensor-parallel group, started
+together and ended together.
+
+Rank r listens at its own address, derived from --listen:
+
+    127.0.0.1:50052        ->  rank 0 at :50052, rank 1 at :50053, ...
+    unix:///run/w.sock     ->  rank 0 at /run/w.sock, rank 1 at /run/w.sock.1, ...
+
+and the scheduler is given the list, in rank order (`--worker a,b,...`). The ranks meet at a
+TCP rendezvous on this host. When any rank exits, the others are terminated and the group
+exits non-zero: a group missing a rank can only hang in its next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+from collections.abc import Callable
+
+import structlog
+
+log = structlog.get_logger("llmserve")
+
+
+def rank_addresses(listen: str, world_size: int) -> list[str]:
+    if listen.startswith("unix:"):
+        return [listen if r == 0 else f"{listen}.{r}" for r in range(world_size)]
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--listen {listen!r}: want host:port or unix:///path")
+    return [f"{host}:{int(port) + r}" for r in range(world_size)]
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    def __init__(self, rank_cmd: list[str], listen: str, world_size: int) -> None:
+        """`rank_cmd`: the worker command line without --listen and the rank flags."""
+        self.addresses = rank_addresses(listen, world_size)
+        self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.commands = [
+            [*rank_cmd, "--listen", address, "--rank", str(r), "--world-size", str(world_size),
+             "--dist-init", self.init_method, "--parent-pid", str(os.getpid())]
+            for r, address in enumerate(self.addresses)
+        ]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        self.procs = [subprocess.Popen(cmd) for cmd in self.commands]
+        log.info("rank_group_started", world_size=len(self.procs), addresses=",".join(self.addresses),
+                 pids=[p.pid for p in self.procs])
+
+    def wait(self, stop_requested: Callable[[], bool]) -> int:
+        """Until a rank exits or a stop is requested; then end every rank. Returns the exit code."""
+        while True:
+            exited = [(r, p.returncode) for r, p in enumerate(self.procs) if p.poll() is not None]
+            if exited or stop_requested():
+                break
+            time.sleep(0.2)
+        for rank, code in exited:
+            log.error("rank_exited", rank=rank, returncode=code, action="ending the group")
+        self.stop()
+        return 1 if exited else 0
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,212 @@
+"""Tensor-parallel layers (Megatron-style), each owning its sharding rule via `weight_loader`.
+
+With a group of tp ranks, rank r keeps:
+
+    ColumnParallelLinear      rows (outputs) [r*out/tp, (r+1)*out/tp) of W and b; output stays split
+    MergedColumnParallelLinear  gate_up_proj: rank r's rows of gate, then rank r's rows of up
+    QKVParallelLinear         qkv_proj: its query heads, then its KV heads for k and for v
+    RowParallelLinear         columns (inputs) [r*in/tp, (r+1)*in/tp) of W; all-reduce, then + b
+    VocabParallelEmbedding    vocab rows [r*V'/tp, (r+1)*V'/tp), V' = V padded to a multiple of tp
+    ParallelLMHead            the same vocab rows as the embedding (or the embedding's own, if tied)
+
+Fused parameters are filled from several checkpoint tensors, told apart by a shard id:
+
+    qkv_proj.weight     rows [ q (heads/tp * head_dim) | k (kv/tp * head_dim) | v (same) ]
+    gate_up_proj.weight rows [ gate (intermediate/tp) | up (intermediate/tp) ]
+
+KV heads: when tp <= kv_heads each rank keeps kv_heads/tp of them; when tp > kv_heads (tp a
+multiple of kv_heads) rank r keeps KV head r // (tp / kv_heads), the one its query heads
+read (its query heads are a contiguous run inside one GQA group), so those KV heads are
+replicated on tp / kv_heads ranks.
+
+The vocabulary is padded rather than refused: a rank's padding rows are zero, ids outside
+its range embed to zero before the all-reduce, and the gathered logits are cut back to V.
+
+With tp = 1 every layer is one F.linear / F.embedding over the whole weight, exactly what the
+single-process worker computed before.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.layers import Loaded, copy_checked, load_replicated, loaded_shape
+from worker_svc.parallel import ParallelGroup
+
+
+class Shard(NamedTuple):
+    """What one rank keeps of one checkpoint tensor along the split dimension."""
+
+    size: int  # rows (or columns) this rank holds
+    start: int  # where they start in the checkpoint tensor
+    total: int  # the checkpoint tensor's size along that dimension
+
+
+def _even(total: int, group: ParallelGroup, what: str) -> Shard:
+    if total % group.world_size:
+        raise ValueError(f"tp={group.world_size} cannot split {what} of {total}")
+    size = total // group.world_size
+    return Shard(size, group.rank * size, total)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., local outputs] = x W_r^T + b_r: this rank's output rows; the output stays split.
+
+    `shards` names the checkpoint tensors that fill consecutive row ranges of the parameter
+    (one unnamed shard for a plain layer) and which rows of each this rank reads.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool = False) -> None:
+        super().__init__()
+        self.shards = shards
+        out_local = sum(s.size for s in shards.values())
+        self.weight = _param(out_local, in_features)  # [out / tp, in]
+        self.bias = _param(out_local) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+                param.shard_ids = tuple(shards)  # type: ignore[attr-defined]
+
+    @classmethod
+    def plain(cls, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False) -> ColumnParallelLinear:
+        return cls(in_features, {"": _even(out_features, group, "output features")}, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+        key = shard_id or ""
+        if key not in self.shards:
+            raise ValueError(f"unknown shard {shard_id!r}, this layer has {sorted(self.shards)}")
+        offset = 0
+        for name, s in self.shards.items():
+            if name == key:
+                break
+            offset += s.size
+        shard = self.shards[key]
+        what = f"shard {key or 'weight'}"
+        rows = loaded_shape(loaded)[0]
+        if rows != shard.total:
+            raise ValueError(f"{what}: checkpoint tensor has {rows} rows, the model wants {shard.total}")
+        copy_checked(param.data[offset : offset + shard.size], loaded[shard.start : shard.start + shard.size], what)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate_up_proj: [hidden] -> [gate_r | up_r], each of intermediate / tp."""
+
+    def __init__(self, in_features: int, intermediate_size: int, group: ParallelGroup, bias: bool = False) -> None:
+        shard = _even(intermediate_size, group, "an MLP intermediate size")
+        super().__init__(in_features, {"gate": shard, "up": shard}, bias)
+
+
+def kv_head_range(num_kv_heads: int, group: ParallelGroup) -> tuple[int, int]:
+    """(first KV head, count) this rank keeps: a split, or one replicated head when tp > kv heads."""
+    tp, r = group.world_size, group.rank
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return r * per, per
+    return r // (tp // num_kv_heads), 1
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """qkv_proj: [hidden] -> [q_r | k_r | v_r]; rank r's query heads and the KV heads they read."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, group: ParallelGroup, bias: bool = False
+    ) -> None:
+        d = head_dim
+        q = _even(num_heads, group, "attention heads")
+        kv_start, kv_count = kv_head_range(num_kv_heads, group)
+        kv = Shard(kv_count * d, kv_start * d, num_kv_heads * d)
+        super().__init__(hidden_size, {"q": Shard(q.size * d, q.start * d, num_heads * d), "k": kv, "v": kv}, bias)
+        self.num_heads, self.num_kv_heads = q.size, kv_count  # this rank's
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T, + b once: x arrives split along its last dim."""
+
+    def __init__(self, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False) -> None:
+        super().__init__()
+        self.group = group
+        self.shard = _even(in_features, group, "input features")
+        self.weight = _param(out_features, self.shard.size)  # [out, in / tp]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param(out_features) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = load_replicated  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+        shape = loaded_shape(loaded)
+        if len(shape) != 2 or shape[1] != self.shard.total:
+            raise ValueError(f"weight: checkpoint tensor has shape {shape}, the model wants [{param.shape[0]}, {self.shard.total}]")
+        copy_checked(param.data, loaded[:, self.shard.start : self.shard.start + self.shard.size], "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # The bias joins after the reduce: added on every rank before it, it would count tp times.
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank embeds the ids of its vocab range (others give 0); the all-reduce sums them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.vocab_size = vocab_size
+        per = -(-vocab_size // group.world_size)  # padded: the last rank's tail rows stay zero
+        self.shard = Shard(per, group.rank * per, vocab_size)
+        self.weight = _param(per, hidden_size)  # [V' / tp, hidden]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+        shape = loaded_shape(loaded)
+        if shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"weight: checkpoint tensor has shape {shape}, the model wants {(self.vocab_size, param.shape[1])}")
+        start = min(self.shard.start, self.vocab_size)
+        end = min(self.shard.start + self.shard.size, self.vocab_size)
+        param.data[end - start :].zero_()
+        copy_checked(param.data[: end - start], loaded[start:end], "weight")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [tokens, hidden]
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the rank's vocab rows, all-gathered: every rank gets the full [n, vocab].
+
+    All ranks gather (not only rank 0) so each one samples the same tokens from the same plan
+    and the runner's control flow, with its collectives, never differs between ranks; rank 0's
+    tokens are the ones returned. `tied` shares the embedding's shard instead of holding one.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, tied: VocabParallelEmbedding | None = None) -> None:
+        if tied is None:
+            super().__init__(vocab_size, hidden_size, group)
+            return
+        nn.Module.__init__(self)
+        self.group, self.vocab_size, self.shard = group, vocab_size, tied.shard
+        self.weight = tied.weight  # the same Parameter: loaded once, as the embedding
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """[n, hidden] -> float32 [n, vocab]."""
+        logits = F.linear(hidden, self.weight)  # [n, V' / tp]
+        if self.group.world_size > 1:
+            logits = self.group.all_gather(logits, -1)[:, : self.vocab_size]
+        return logits.float()
