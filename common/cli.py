@@ -341,7 +341,7 @@ def _run_rank_group(a: argparse.Namespace, model: str) -> None:
         value = getattr(a, flag.removeprefix("--").replace("-", "_"), None)
         if value:
             cmd += [flag, value]
-    group = RankGroup(cmd, a.listen, a.tp)
+    group = RankGroup(cmd, a.listen, a.tp, metrics_port=a.metrics_port)
     stopping = {"now": False}
 
     def request_stop(*_: object) -> None:

@@ -41,13 +41,22 @@ def free_tcp_port() -> int:
 
 
 class RankGroup:
-    def __init__(self, rank_cmd: list[str], listen: str, world_size: int) -> None:
-        """`rank_cmd`: the worker command line without --listen and the rank flags."""
+    def __init__(self, rank_cmd: list[str], listen: str, world_size: int, metrics_port: int = 0) -> None:
+        """`rank_cmd`: the worker command line without --listen, the rank flags and metrics.
+
+        With `metrics_port` P, rank r serves its metrics on P + r.
+        """
         self.addresses = rank_addresses(listen, world_size)
+        if metrics_port:
+            taken = {int(a.rsplit(":", 1)[1]) for a in self.addresses if not a.startswith("unix:")}
+            clash = taken & set(range(metrics_port, metrics_port + world_size))
+            if clash:
+                raise ValueError(f"--metrics-port {metrics_port}: ranks would serve metrics on their gRPC ports {sorted(clash)}")
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.commands = [
             [*rank_cmd, "--listen", address, "--rank", str(r), "--world-size", str(world_size),
-             "--dist-init", self.init_method, "--parent-pid", str(os.getpid())]
+             "--dist-init", self.init_method, "--parent-pid", str(os.getpid()),
+             *(["--metrics-port", str(metrics_port + r)] if metrics_port else [])]
             for r, address in enumerate(self.addresses)
         ]
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -64,10 +73,12 @@ class RankGroup:
             if exited or stop_requested():
                 break
             time.sleep(0.2)
-        for rank, code in exited:
+        # Ctrl-C reaches every rank too: ranks gone during a requested stop are not failures.
+        failed = [] if stop_requested() else exited
+        for rank, code in failed:
             log.error("rank_exited", rank=rank, returncode=code, action="ending the group")
         self.stop()
-        return 1 if exited else 0
+        return 1 if failed else 0
 
     def stop(self, timeout: float = 15.0) -> None:
         for p in self.procs:

@@ -74,6 +74,9 @@ class ParallelGroup:
 SINGLE = ParallelGroup()
 
 
+LOAD_TIMEOUT_S = 1800.0  # joining the group: every rank must have loaded its weights by then
+
+
 def init_group(
     rank: int,
     world_size: int,
@@ -87,19 +90,22 @@ def init_group(
     "file:///tmp/llmserve-tp". `timeout_s` bounds every collective, so a dead rank fails the
     others instead of hanging them.
     """
-    group = ParallelGroup(rank, world_size)
     if world_size == 1:
-        return group
+        return ParallelGroup(rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Ranks load their weights at different speeds (a shared disk, a large model), so the
+    # rendezvous and the first barrier get the load timeout; the step collectives run on a
+    # group of the same ranks with the short timeout that detects a dead or stalled peer.
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=max(timeout_s, LOAD_TIMEOUT_S)),
     )
-    return group
+    steps = dist.new_group(ranks=list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelGroup(rank, world_size, steps)
 
 
 def destroy_group(group: ParallelGroup) -> None:

@@ -88,7 +88,12 @@ class WorkerServer:
 
 
 def rank_device(device: torch.device, rank: int, world_size: int) -> torch.device:
-    """One GPU per rank: rank r of a group on CUDA runs on cuda:r unless a device was named."""
-    if device.type == "cuda" and world_size > 1 and (device.index in (None, 0)):
-        return torch.device("cuda", rank)
-    return device
+    """One GPU per rank: with --device cuda:k, rank r of a group runs on cuda:(k + r)."""
+    if device.type != "cuda" or world_size == 1:
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {rank} of {world_size} would run on cuda:{index}, but {torch.cuda.device_count()} GPUs are visible"
+        )
+    return torch.device("cuda", index)
