@@ -174,6 +174,11 @@ class Engine:
             if s.num_output_tokens
             else Unavailable(f"{what}; retry the request")
         )
+        # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
+        # gauges at their last values until a worker is back.
+        for gauge in (self.metrics.running, self.metrics.waiting, self.metrics.swapped,
+                      self.metrics.kv_usage, self.metrics.cpu_usage):
+            gauge.set(0)
 
     def _incompatibility(self, info: WorkerInfo) -> str | None:
         if info.model_name != self.spec.name:

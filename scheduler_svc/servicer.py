@@ -19,6 +19,15 @@ from scheduler_svc.engine import Engine
 ID_HEADERS = ("x-request-id", "x-correlation-id")
 
 
+def trace_headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The caller's x-request-id / x-correlation-id metadata (both APIs echo and log them)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if k in ID_HEADERS and isinstance(v, str)}
+
+
+def log_fields(headers: dict[str, str]) -> dict[str, str]:
+    return {k.replace("-", "_"): v for k, v in headers.items()}
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -27,13 +36,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         req = wire.generation_request(request)
-        headers = {k: v for k, v in (context.invocation_metadata() or ()) if k in ID_HEADERS and isinstance(v, str)}
+        headers = trace_headers(context)
         # Only the request_id field is a key (unique while in flight, the handle for Abort):
         # trace headers may be shared by several calls, so they are echoed and logged, not keys.
         request_id = req.request_id or uuid.uuid4().hex
         echo = {"x-request-id": request_id, **headers}
         await context.send_initial_metadata(tuple(echo.items()))
-        with structlog.contextvars.bound_contextvars(**{k.replace("-", "_"): v for k, v in headers.items()}):
+        with structlog.contextvars.bound_contextvars(**log_fields(headers)):
             async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id)):
                 yield wire.generate_response(out)
 

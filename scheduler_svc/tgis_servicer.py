@@ -22,11 +22,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
+import structlog
 
 from common.pb.fmaas import generation_pb2 as pb
 from common.pb.fmaas import generation_pb2_grpc
 from scheduler_svc import tgis_wire
 from scheduler_svc.engine import Engine
+from scheduler_svc.servicer import log_fields, trace_headers
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.tgis_wire import TgisParams, TimeLimit
 
@@ -42,6 +44,11 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> pb.BatchedGenerationResponse:
         texts, params = tgis_wire.batched_request(request)
         deadline = _deadline(params)
+        headers = trace_headers(context)
+        if headers:
+            await context.send_initial_metadata(tuple(headers.items()))
+        # Tasks copy the context variables: every prompt's log lines carry the caller's ids.
+        structlog.contextvars.bind_contextvars(**log_fields(headers))
         tasks = [asyncio.ensure_future(self._generate_one(text, params, deadline)) for text in texts]
         try:
             responses = await asyncio.gather(*tasks)
@@ -83,6 +90,17 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         text, params = tgis_wire.single_request(request)
         deadline = _deadline(params)
         prompt_ids, seed, req = self._request(text, params)
+        headers = trace_headers(context)
+        if headers:
+            await context.send_initial_metadata(tuple(headers.items()))
+        with structlog.contextvars.bound_contextvars(**log_fields(headers)):
+            async for message in self._stream(text, params, prompt_ids, seed, req, deadline):
+                yield message
+
+    async def _stream(
+        self, text: str, params: TgisParams, prompt_ids: list[int], seed: int | None, req: GenerationRequest,
+        deadline: float | None,
+    ) -> AsyncIterator[pb.GenerationResponse]:
         head = False
         async with aclosing(_run(self._engine.generate(req), deadline)) as stream:
             async for out in stream:

@@ -217,6 +217,11 @@ async def test_worker_lost_mid_stream_gives_aborted_then_unavailable(tiny_model_
             await collect(s.stub, request(ids=[1, 2], max_tokens=2))
         assert err2.value.code() == grpc.StatusCode.UNAVAILABLE
         assert s.engine.scheduler is None and not s.engine._streams
+        from prometheus_client import generate_latest
+
+        gauges = generate_latest(s.engine.metrics.registry).decode()
+        for name in ("num_requests_running", "kv_cache_usage_perc"):
+            assert f'llmserve:{name}{{model_name="tiny-llama"}} 0.0' in gauges, name
     finally:
         await stop_scheduler(s)
         worker.stop()

@@ -204,6 +204,16 @@ async def test_token_logprobs_and_top_tokens_match_the_native_api(tiny_scheduler
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_trace_headers_are_echoed(tiny_scheduler: Scheduler) -> None:
+    metadata = (("x-request-id", "tgis-1"), ("x-correlation-id", "c-2"))
+    call = stub(tiny_scheduler).GenerateStream(single(PROMPTS[0], params(3)), metadata=metadata)
+    assert len([m async for m in call]) >= 2
+    assert dict(await call.initial_metadata()) == dict(metadata)
+    unary = stub(tiny_scheduler).Generate(batched(PROMPTS[:2], params(3)), metadata=metadata)
+    assert len((await unary).responses) == 2
+    assert dict(await unary.initial_metadata()) == dict(metadata)
+
+
 async def test_adapters_are_unimplemented_and_bad_input_is_invalid(tiny_scheduler: Scheduler) -> None:
     req = single("hi", params(4))
     req.adapter_id = "my-lora"
