@@ -50,6 +50,10 @@ def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port; 0 = off (default)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish while new ones are refused (default 30)",
+    )
 
 
 def _add_security_flags(p: argparse.ArgumentParser) -> None:
@@ -241,7 +245,8 @@ def _worker_tls_config(a: argparse.Namespace) -> TlsClientConfig | None:
 
 def _server_config(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=a.host, port=a.port, metrics_port=a.metrics_port, tls=_tls_config(a), reflection=not a.no_reflection
+        host=a.host, port=a.port, metrics_port=a.metrics_port, tls=_tls_config(a), reflection=not a.no_reflection,
+        drain_timeout=a.drain_timeout,
     )
 
 

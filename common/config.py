@@ -176,8 +176,9 @@ class ServerConfig:
     port: int = 50051
     # Prometheus metrics over HTTP; 0 turns them off.
     metrics_port: int = 0
-    # Seconds in-flight calls get to finish on shutdown.
-    grace_seconds: float = 5.0
+    # On SIGTERM: seconds in-flight requests get to finish (health NOT_SERVING, new requests
+    # refused with UNAVAILABLE meanwhile) before the server stops.
+    drain_timeout: float = 30.0
     # None: plaintext.
     tls: TlsConfig | None = None
     # Server reflection lets grpcurl list and call the API without the .proto files; some
@@ -187,3 +188,4 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must lie in [0, 65535], got {self.port}")
         _require(0 <= self.metrics_port < 65536, f"metrics_port must lie in [0, 65535], got {self.metrics_port}")
+        _require(self.drain_timeout >= 0, "drain_timeout must not be negative")

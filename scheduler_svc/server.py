@@ -87,7 +87,7 @@ class SchedulerServer:
     async def stop(self) -> None:
         """Drain: NOT_SERVING, new requests refused, in-flight ones get the grace period to finish."""
         await self._on_ready(False)
-        await self.engine.drain(self.server_config.grace_seconds)
+        await self.engine.drain(self.server_config.drain_timeout)
         await self.engine.stop()
         await self.server.stop(1.0)
         log.info("scheduler_stopped")
