@@ -147,8 +147,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(sched)
     _add_scheduler_flags(sched)
     sched.add_argument(
-        "--worker", required=True,
-        help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock; a tensor-parallel group: its ranks' addresses, comma-separated, in rank order",
+        "--worker", default="",
+        help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock; a tensor-parallel group: its ranks' "
+        "addresses, comma-separated, in rank order. Without it, workers register themselves "
+        "(llmserve worker --scheduler HOST:PORT)",
     )
     _add_worker_tls_flags(sched)
     sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
@@ -159,6 +161,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
+    worker.add_argument(
+        "--scheduler", default="",
+        help="register with the scheduler at HOST:PORT and serve it for as long as this worker runs",
+    )
+    worker.add_argument("--advertise", default="", help="address the scheduler dials (default: --listen)")
+    worker.add_argument("--group", default="", help=argparse.SUPPRESS)
     # Set by `worker --tp N` on each rank process it starts.
     worker.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
@@ -346,7 +354,10 @@ def _run_rank_group(a: argparse.Namespace, model: str) -> None:
         value = getattr(a, flag.removeprefix("--").replace("-", "_"), None)
         if value:
             cmd += [flag, value]
-    group = RankGroup(cmd, a.listen, a.tp, metrics_port=a.metrics_port)
+    if a.scheduler:
+        # Every rank registers itself; the group is named after rank 0's address.
+        cmd += ["--scheduler", a.scheduler, "--group", a.advertise or a.listen]
+    group = RankGroup(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise)
     stopping = {"now": False}
 
     def request_stop(*_: object) -> None:
@@ -367,11 +378,29 @@ def cmd_worker(a: argparse.Namespace) -> None:
         _run_rank_group(a, _model_dir(a.model))
         return
     tls = _tls_config(a)
+    model = _model_dir(a.model)
     server = WorkerServer(
-        _worker_config(a, _model_dir(a.model)), a.listen, tls=tls, reflection=not a.no_reflection,
-        metrics_port=a.metrics_port,
+        _worker_config(a, model), a.listen, tls=tls, reflection=not a.no_reflection,
+        metrics_port=a.metrics_port, registrar=_registrar(a, model),
     )
     _run_until_signal(lambda stop: _serve(server, stop))
+    sys.exit(server.exit_code)
+
+
+def _registrar(a: argparse.Namespace, model: str) -> Any:
+    """With --scheduler: how this rank registers (its advertised address, group and rank)."""
+    if not a.scheduler:
+        return None
+    from worker_svc.registration import Registrar
+
+    address = a.advertise or a.listen
+    host = address.rpartition(":")[0]
+    if host in ("0.0.0.0", "[::]", ""):
+        raise ValueError(f"--listen {a.listen} is not an address the scheduler can dial: give --advertise HOST:PORT")
+    return Registrar(
+        scheduler=a.scheduler, address=address, group=a.group or address, rank=a.rank or 0,
+        world_size=a.world_size or 1, model_name=Path(model).name,
+    )
 
 
 def cmd_up(a: argparse.Namespace) -> None:

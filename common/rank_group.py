@@ -41,10 +41,13 @@ def free_tcp_port() -> int:
 
 
 class RankGroup:
-    def __init__(self, rank_cmd: list[str], listen: str, world_size: int, metrics_port: int = 0) -> None:
+    def __init__(
+        self, rank_cmd: list[str], listen: str, world_size: int, metrics_port: int = 0, advertise: str = ""
+    ) -> None:
         """`rank_cmd`: the worker command line without --listen, the rank flags and metrics.
 
-        With `metrics_port` P, rank r serves its metrics on P + r.
+        With `metrics_port` P, rank r serves its metrics on P + r; with `advertise` (the address
+        the scheduler dials for rank 0, when registering), rank r advertises its derived one.
         """
         self.addresses = rank_addresses(listen, world_size)
         if metrics_port:
@@ -53,10 +56,12 @@ class RankGroup:
             if clash:
                 raise ValueError(f"--metrics-port {metrics_port}: ranks would serve metrics on their gRPC ports {sorted(clash)}")
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        advertised = rank_addresses(advertise, world_size) if advertise else []
         self.commands = [
             [*rank_cmd, "--listen", address, "--rank", str(r), "--world-size", str(world_size),
              "--dist-init", self.init_method, "--parent-pid", str(os.getpid()),
-             *(["--metrics-port", str(metrics_port + r)] if metrics_port else [])]
+             *(["--metrics-port", str(metrics_port + r)] if metrics_port else []),
+             *(["--advertise", advertised[r]] if advertise else [])]
             for r, address in enumerate(self.addresses)
         ]
         self.procs: list[subprocess.Popen[bytes]] = []

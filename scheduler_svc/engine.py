@@ -25,6 +25,7 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Aborted, Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from common.model_spec import ModelSpec
+from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
@@ -45,7 +46,7 @@ from scheduler_svc.scheduler import Scheduler, TokenEvent
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
+from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLink, WorkerLost
 from scheduler_svc.worker_group import WorkerGroup
 
 log = structlog.get_logger(__name__)
@@ -60,17 +61,23 @@ class Engine:
         spec: ModelSpec,
         tokenizer: Tokenizer,
         config: SchedulerConfig,
-        worker: WorkerClient | WorkerGroup,
+        worker: WorkerClient | WorkerGroup | None,
         metrics: SchedulerMetrics | None = None,
         on_ready: Callable[[bool], Awaitable[None]] | None = None,
         connect_timeout: float = 30.0,
         chat_template: ChatTemplate | None = None,
+        worker_factory: Callable[[list[str]], WorkerClient | WorkerGroup] | None = None,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.config = config
-        self.worker = worker
+        # A fixed worker (--worker), or None: then registered groups are used (see attach_group).
+        self._static = worker
+        self.worker: WorkerLink = worker or _NoWorker()
+        self._worker_factory = worker_factory
+        self._registered: dict[str, WorkerLink] = {}
+        self._registered_changed = asyncio.Event()
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._on_ready = on_ready
         self._connect_timeout = connect_timeout
@@ -112,9 +119,45 @@ class Engine:
             self._task = None
         self._fail_all(lambda _: Unavailable("the server is shutting down"))
         await self.worker.close()
+        for worker in self._registered.values():
+            await worker.close()
+
+    def attach_group(self, name: str, addresses: list[str]) -> None:
+        """A registered group has all its ranks: serve with it if nothing else serves."""
+        if self._worker_factory is None:
+            return
+        self._registered[name] = self._worker_factory(addresses)
+        self._registered_changed.set()
+
+    def detach_group(self, name: str) -> None:
+        """A rank of a registered group left: the group is gone (its KV spans every rank)."""
+        worker = self._registered.pop(name, None)
+        if worker is not None and worker is self.worker:
+            # Breaking its stream makes a step in flight fail over (WorkerLost, then the next
+            # group); an idle loop is woken to notice.
+            asyncio.get_running_loop().create_task(worker.close())
+            self._wake.set()
+        self._registered_changed.set()
+
+    async def _next_worker(self) -> bool:
+        """Registry mode: make a registered group current; False while none is registered."""
+        if self._static is not None:
+            return True
+        if self.worker in self._registered.values():
+            return True
+        candidate = next(iter(self._registered.values()), None)
+        if candidate is None:
+            self.worker = _NoWorker()
+            self._registered_changed.clear()
+            await self._registered_changed.wait()
+            return False
+        self.worker = candidate
+        return True
 
     async def _main(self) -> None:
         while True:
+            if not await self._next_worker():
+                continue
             try:
                 info = await self.worker.connect(self._connect_timeout)
             except WorkerLost as error:
@@ -126,7 +169,11 @@ class Engine:
             if problem:
                 log.error("worker_refused", address=self.worker.address, reason=problem)
                 await self.worker.close()
-                await asyncio.sleep(5.0)
+                # A registered group that cannot serve this model is dropped, not retried.
+                for name, worker in list(self._registered.items()):
+                    if worker is self.worker:
+                        del self._registered[name]
+                await asyncio.sleep(0 if self._static is None else 5.0)
                 continue
             self.limits = Limits.of(self.spec, self.config, min(self.spec.max_model_len, info.max_model_len))
             self._reported = (0, 0, 0)
@@ -356,6 +403,8 @@ class Engine:
 
     async def _loop(self, scheduler: Scheduler) -> None:
         while True:
+            if self._static is None and self.worker not in self._registered.values():
+                raise WorkerLost(f"{self.worker.address} deregistered")
             self._wake.clear()
             self._apply_inbox(scheduler)
             self._publish_gauges(scheduler)
@@ -453,3 +502,18 @@ class Engine:
         if self._stats.due() and self.scheduler is not None:
             log.info("engine_stats", **self._stats.summary(self.scheduler))
             self._stats.reset()
+
+
+class _NoWorker:
+    """Stands in while no registered group exists (registry mode): never connected."""
+
+    address = "(none registered)"
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        raise WorkerLost("no worker has registered")
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        raise WorkerLost("no worker has registered")
+
+    async def close(self) -> None:
+        pass

@@ -11,10 +11,12 @@ from common.config import SchedulerConfig, ServerConfig, TlsClientConfig
 from common.grpc_errors import ErrorInterceptor
 from common.grpc_metrics import GrpcMetricsInterceptor
 from common.model_spec import ModelSpec
-from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc
+from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from common.tls import add_port, tls_mode
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
+from scheduler_svc.registry import Registry
+from scheduler_svc.registry_servicer import RegistryServicer
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc import tgis_servicer
 from scheduler_svc.servicer import GenerationServicer
@@ -25,6 +27,7 @@ from scheduler_svc.worker_group import WorkerGroup
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
 class SchedulerServer:
@@ -47,19 +50,23 @@ class SchedulerServer:
             spec,
             Tokenizer(model_dir),
             scheduler_config,
-            _worker(worker_address, step_timeout, worker_tls),
+            _worker(worker_address, step_timeout, worker_tls) if worker_address else None,
             metrics=self.metrics,
             on_ready=self._on_ready,
             chat_template=ChatTemplate.from_dir(model_dir),
+            worker_factory=lambda addresses: _worker(",".join(addresses), step_timeout, worker_tls),
         )
+        self.registry = Registry(spec.name, self.engine.attach_group, self.engine.detach_group)
         # Metrics outermost: an error is counted under the status code the client saw.
         self.server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
         tgis_servicer.register(self.server, self.engine)
+        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if server_config.reflection:
             reflection.enable_server_reflection(
-                (SERVICE_NAME, tgis_servicer.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+                (SERVICE_NAME, tgis_servicer.SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                self.server,
             )
         self.port = 0
 

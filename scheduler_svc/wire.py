@@ -6,10 +6,12 @@ import numpy as np
 
 from common.arrays import pack, unpack
 from common.pb.llmserve.v1 import generation_pb2 as gen_pb
+from common.pb.llmserve.v1 import registry_pb2 as reg_pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc.load import Load, ModelInfo
+from scheduler_svc.registry import Registration
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
 
@@ -206,3 +208,14 @@ def load(value: Load) -> gen_pb.Load:
             for g in value.groups
         ],
     )
+
+
+def registration(msg: reg_pb.RegisterRequest) -> Registration:
+    return Registration(
+        address=msg.address, group=msg.group or msg.address, rank=msg.rank, world_size=msg.world_size or 1,
+        model_name=msg.model_name,
+    )
+
+
+def register_reply(accepted: bool, message: str) -> reg_pb.RegisterReply:
+    return reg_pb.RegisterReply(accepted=accepted, message=message)

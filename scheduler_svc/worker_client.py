@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -19,6 +20,16 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
 ]
+
+
+class WorkerLink(Protocol):
+    """What the engine drives: one worker, or the ranks of a group (`WorkerGroup`)."""
+
+    address: str
+
+    async def connect(self, timeout: float) -> WorkerInfo: ...
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]: ...
+    async def close(self) -> None: ...
 
 
 class WorkerLost(Exception):

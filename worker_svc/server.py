@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import grpc
@@ -17,6 +21,7 @@ from common.tls import add_port, tls_mode
 from worker_svc.loader import resolve_device
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.parallel import init_group
+from worker_svc.registration import Registrar, RegistrationRefused
 from worker_svc.runner import ModelRunner
 from worker_svc.servicer import WorkerServicer
 
@@ -38,6 +43,7 @@ class WorkerServer:
         tls: TlsConfig | None = None,
         reflection: bool = True,
         metrics_port: int = 0,
+        registrar: Registrar | None = None,
     ) -> None:
         self.address = address
         self.grace_seconds = grace_seconds
@@ -49,6 +55,9 @@ class WorkerServer:
         group = init_group(config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout)
         self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
         self.metrics_port = metrics_port
+        self.registrar = registrar
+        self._registration: asyncio.Task[None] | None = None
+        self.exit_code = 0
         self.metrics = WorkerMetrics(Path(config.model).name, config.rank)
         self.metrics.gpu_blocks.set(self.runner.kv.num_blocks)
         self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
@@ -73,13 +82,28 @@ class WorkerServer:
             self.metrics.serve(self.metrics_port, host)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.registrar is not None:
+            self._registration = asyncio.get_running_loop().create_task(self._stay_registered(self.registrar))
         log.info(
             "worker_listening", address=self.address, port=self.port,
             tls=tls_mode(self.tls), reflection=self.reflection,
         )
         return self.port
 
+    async def _stay_registered(self, registrar: Registrar) -> None:
+        try:
+            await registrar.run()
+        except RegistrationRefused as error:
+            log.error("registration_refused", scheduler=registrar.scheduler, reason=str(error))
+            self.exit_code = 2
+            os.kill(os.getpid(), signal.SIGTERM)  # stop like on SIGTERM, then exit with the code
+
     async def stop(self) -> None:
+        if self._registration is not None:
+            # Deregister first: the scheduler stops sending steps before the port closes.
+            self._registration.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._registration
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(self.grace_seconds)
