@@ -159,12 +159,6 @@ class BlockManager:
         ref = self.gpu.ref
         return grow + sum(1 for i in range(write_from // self.block_size, min(end, len(table))) if ref[table[i]] > 1)
 
-    def can_append_in_place(self, seq_id: int, position: int) -> bool:
-        """Whether writing the token at `position` needs no new block and no copy."""
-        table = self._tables[seq_id]
-        i = position // self.block_size
-        return i < len(table) and self.gpu.ref[table[i]] == 1
-
     def can_allocate(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> bool:
         return self.blocks_needed(seq_id, num_tokens, write_from) + reserve <= self.gpu.num_free
 

@@ -179,7 +179,7 @@ class Scheduler:
 
     def _end_group(self, group: SequenceGroup) -> None:
         if group.status is SequenceStatus.RUNNING:
-            self.running_slots -= group.max_seqs
+            self.running_slots -= group.width
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
@@ -212,7 +212,7 @@ class Scheduler:
         computed = sum(s.num_computed_tokens for s in live)
         mode = self.policy.choose(num_blocks, computed, bm.cpu.num_free)
         self.running.remove(group)
-        self.running_slots -= group.max_seqs
+        self.running_slots -= group.width
         if mode is PreemptionMode.SWAP:
             group.swapped_blocks += bm.swap_out(ids)
             group.num_swaps += 1
@@ -385,7 +385,7 @@ class Scheduler:
                 if group.status is SequenceStatus.RUNNING:
                     if host or len(table) < bm.blocks_for(seq.num_computed_tokens):
                         raise AssertionError(f"running seq {seq.seq_id} has {len(table)} blocks for {seq.num_computed_tokens} tokens")
-        if self.running_slots != sum(g.max_seqs for g in self.running):
+        if self.running_slots != sum(g.width for g in self.running):
             raise AssertionError(f"running slots counter says {self.running_slots}")
         if len(self._seqs) != sum(len(g.live()) for g in queued):
             raise AssertionError("sequence index holds finished or unknown sequences")

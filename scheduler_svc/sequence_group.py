@@ -48,7 +48,8 @@ class SequenceGroup:
     def __post_init__(self) -> None:
         # The first sequence's id names the group for good, even after beams drop it.
         self.group_id = self.seqs[0].seq_id
-        # Read for every row of every step: a plain attribute, not a computed property.
+        # Sequences the group runs at its widest (its slots against max_num_seqs). Read for
+        # every row of every step: a plain attribute, not a computed property.
         self.width = max(self.sampling.best_of, self.sampling.beam_width)
         for seq in self.seqs:
             seq.group = self
@@ -62,11 +63,6 @@ class SequenceGroup:
     def key(self) -> tuple[int, int]:
         """Place in line: priority first, then arrival. Preemption never changes it."""
         return (self.priority, self.arrival)
-
-    @property
-    def max_seqs(self) -> int:
-        """Sequences the group runs at its widest."""
-        return self.width
 
     def shared_prompt_blocks(self, block_size: int) -> int:
         """Full blocks of the prompt that every sequence of the group holds in common.

@@ -63,7 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = engine.prompt_tokens("", (), messages)
         else:
             ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
-        return gen_pb.TokenizeResponse(token_ids=ids, tokens=[engine.tokenizer.backend.id_to_token(i) or "" for i in ids])
+        return gen_pb.TokenizeResponse(token_ids=ids, tokens=engine.tokenizer.token_strings(ids))
 
     async def Detokenize(  # noqa: N802
         self, request: gen_pb.DetokenizeRequest, context: grpc.aio.ServicerContext

@@ -50,8 +50,8 @@ class StepPlanner:
             group = running[i]
             if group.width == 1:
                 # Fast path, most rows of most steps: a decode whose token lands in a block the
-                # sequence already owns alone needs no allocation and no check
-                # (BlockManager.can_append_in_place, inlined: this runs 256 times a step).
+                # sequence already owns alone needs no allocation and no check (inlined: this
+                # runs for every decoding sequence of every step).
                 seq = group.seqs[0]
                 c = seq.num_computed_tokens
                 if len(seq.token_ids) - c == 1:
@@ -179,7 +179,7 @@ class StepPlanner:
         return need
 
     def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
-        if self.s.running_slots + group.max_seqs > self.s.config.max_num_seqs:
+        if self.s.running_slots + group.width > self.s.config.max_num_seqs:
             return False
         reserve += self.watermark_blocks if self.s.running else 0
         return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
@@ -223,7 +223,7 @@ class StepPlanner:
             for seq in group.live():
                 seq.status = SequenceStatus.RUNNING
             self.s.enqueue(self.s.running, group)
-            self.s.running_slots += group.max_seqs
+            self.s.running_slots += group.width
             rows = self._rows(group, budget)
             if self._blocks_needed(rows) <= bm.num_free_blocks:
                 budget -= self._take(rows, seqs, query_lens)

@@ -141,15 +141,11 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         seed = (params.seed if params.seed is not None else secrets.randbits(63)) if params.sample else None
         return ids, seed, params.generation_request(ids, self._engine.limits.max_model_len, seed)
 
-    def _token_texts(self, ids: list[int]) -> list[str]:
-        backend = self._engine.tokenizer.backend
-        return [backend.id_to_token(t) or "" for t in ids]
-
     def _text_of(self, token: int) -> str:
-        return self._engine.tokenizer.backend.id_to_token(token) or ""
+        return self._engine.tokenizer.token_strings([token])[0]
 
     def _infos(self, params: TgisParams, ids: list[int], details: list[TokenLogprob | None]) -> list[pb.TokenInfo]:
-        return tgis_wire.token_infos(params, self._token_texts(ids), details, self._text_of)
+        return tgis_wire.token_infos(params, self._engine.tokenizer.token_strings(ids), details, self._text_of)
 
     def _input_infos(self, params: TgisParams, prompt_ids: list[int], first: RequestOutput | None) -> list[pb.TokenInfo]:
         """The prompt's tokens, with their scores (which the first output carries) when asked."""

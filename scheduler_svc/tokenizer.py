@@ -18,5 +18,9 @@ class Tokenizer:
         """Token ids of `text`, with special tokens added the way transformers' tokenizer adds them."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The tokenizer's own string for each id (e.g. "Ġhello"), "" for an unknown id."""
+        return [self.backend.id_to_token(t) or "" for t in token_ids]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens))

@@ -108,11 +108,6 @@ def init_group(
     return ParallelGroup(rank, world_size, steps)
 
 
-def destroy_group(group: ParallelGroup) -> None:
-    if group.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ---- which group sizes a model can be split into ----
 
 
