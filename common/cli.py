@@ -134,7 +134,11 @@ def _parser() -> argparse.ArgumentParser:
     root.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
     sub = root.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run the scheduler and one worker locally")
+    up = sub.add_parser("up", help="run the scheduler and its workers locally")
+    up.add_argument(
+        "--workers", type=int, default=1,
+        help="worker groups (data parallel), each with its own KV cache; with CUDA, group i takes the next --tp GPUs",
+    )
     _add_model_flags(up)
     _add_server_flags(up, 50051)
     _add_security_flags(up)
@@ -147,10 +151,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(sched)
     _add_scheduler_flags(sched)
     sched.add_argument(
-        "--worker", default="",
+        "--worker", action="append", default=[],
         help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock; a tensor-parallel group: its ranks' "
-        "addresses, comma-separated, in rank order. Without it, workers register themselves "
-        "(llmserve worker --scheduler HOST:PORT)",
+        "addresses, comma-separated, in rank order. Repeat it for several groups (data parallel). Without it, "
+        "workers register themselves (llmserve worker --scheduler HOST:PORT)",
+    )
+    sched.add_argument(
+        "--block-size", type=int, default=0,
+        help="tokens per KV block every worker must use; 0 = the first worker's (default), later ones must match",
     )
     _add_worker_tls_flags(sched)
     sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
@@ -166,6 +174,16 @@ def _parser() -> argparse.ArgumentParser:
         help="register with the scheduler at HOST:PORT and serve it for as long as this worker runs",
     )
     worker.add_argument("--advertise", default="", help="address the scheduler dials (default: --listen)")
+    worker.add_argument(
+        "--scheduler-tls-ca", default=None,
+        help="PEM CA bundle the scheduler's certificate must chain to; any --scheduler-tls-* flag registers over TLS",
+    )
+    worker.add_argument("--scheduler-tls-cert", default=None, help="PEM client certificate for a scheduler that demands one")
+    worker.add_argument("--scheduler-tls-key", default=None, help="PEM private key of --scheduler-tls-cert")
+    worker.add_argument(
+        "--scheduler-tls-server-name", default=None,
+        help="name the scheduler's certificate is checked against, when it differs from the --scheduler host",
+    )
     worker.add_argument("--group", default="", help=argparse.SUPPRESS)
     # Set by `worker --tp N` on each rank process it starts.
     worker.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -240,15 +258,14 @@ def _tls_config(a: argparse.Namespace) -> TlsConfig | None:
     return TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca)
 
 
-def _worker_tls_config(a: argparse.Namespace) -> TlsClientConfig | None:
-    paths = (a.worker_tls_ca, a.worker_tls_cert, a.worker_tls_key, a.worker_tls_server_name)
-    if all(p is None for p in paths):
+def _client_tls_config(a: argparse.Namespace, peer: str) -> TlsClientConfig | None:
+    """TLS to the `peer` ("worker" or "scheduler") from its --PEER-tls-* flags; None = plaintext."""
+    ca, cert, key, server_name = (getattr(a, f"{peer}_tls_{k}") for k in ("ca", "cert", "key", "server_name"))
+    if all(p is None for p in (ca, cert, key, server_name)):
         return None
-    if (a.worker_tls_cert is None) != (a.worker_tls_key is None):
-        raise ValueError("--worker-tls-cert and --worker-tls-key go together: give both or neither")
-    return TlsClientConfig(
-        ca=a.worker_tls_ca, cert=a.worker_tls_cert, key=a.worker_tls_key, server_name=a.worker_tls_server_name
-    )
+    if (cert is None) != (key is None):
+        raise ValueError(f"--{peer}-tls-cert and --{peer}-tls-key go together: give both or neither")
+    return TlsClientConfig(ca=ca, cert=cert, key=key, server_name=server_name)
 
 
 def _server_config(a: argparse.Namespace) -> ServerConfig:
@@ -271,6 +288,8 @@ def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         max_stop_strings=a.max_stop_strings,
         max_logprobs=a.max_logprobs,
         max_n=a.max_n,
+        # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
+        block_size=a.block_size,
     )
 
 
@@ -296,7 +315,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
 def cmd_scheduler(a: argparse.Namespace) -> None:
     from scheduler_svc.server import SchedulerServer
 
-    server_config, worker_tls = _server_config(a), _worker_tls_config(a)
+    server_config, worker_tls = _server_config(a), _client_tls_config(a, "worker")
     model = _model_dir(a.model)
 
     async def body(stop: asyncio.Event) -> None:
@@ -350,7 +369,8 @@ def _run_rank_group(a: argparse.Namespace, model: str) -> None:
 
     _check_tp(model, a.tp)
     cmd = _worker_args(a, model)
-    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--scheduler-tls-ca", "--scheduler-tls-cert",
+                 "--scheduler-tls-key", "--scheduler-tls-server-name"):
         value = getattr(a, flag.removeprefix("--").replace("-", "_"), None)
         if value:
             cmd += [flag, value]
@@ -399,7 +419,8 @@ def _registrar(a: argparse.Namespace, model: str) -> Any:
         raise ValueError(f"--listen {a.listen} is not an address the scheduler can dial: give --advertise HOST:PORT")
     return Registrar(
         scheduler=a.scheduler, address=address, group=a.group or address, rank=a.rank or 0,
-        world_size=a.world_size or 1, model_name=Path(model).name,
+        world_size=a.world_size or 1, model_name=Path(model).name, block_size=a.block_size,
+        tls=_client_tls_config(a, "scheduler"),
     )
 
 
@@ -410,34 +431,58 @@ def cmd_up(a: argparse.Namespace) -> None:
     model = _model_dir(a.model)
     _worker_config(a, model)  # validate worker flags before starting anything
     _check_tp(model, a.tp)
+    if a.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {a.workers}")
     sockdir = tempfile.mkdtemp(prefix="llmserve-")
-    address = f"unix://{sockdir}/worker.sock"
-    worker_cmd = [*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
-    if a.tp > 1:
-        from common.rank_group import rank_addresses
+    commands, addresses = [], []
+    for i in range(a.workers):
+        address = f"unix://{sockdir}/worker-{i}.sock"
+        commands.append([*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)])
+        if a.tp > 1:
+            from common.rank_group import rank_addresses
 
-        address = ",".join(rank_addresses(address, a.tp))
+            address = ",".join(rank_addresses(address, a.tp))
+        addresses.append(address)
     # The TLS flags secure the public scheduler port only. The worker's socket lies in a
     # mkdtemp directory (mode 0700) that only this user's processes can enter, and nothing
     # but our own scheduler dials it, so TLS there would cost handshakes and guard nothing.
 
     async def body(stop: asyncio.Event) -> None:
-        worker = Supervised(worker_cmd)
-        worker.start()
-        server = SchedulerServer(model, address, server_config, _scheduler_config(a))
+        workers = [Supervised(cmd, env=_gpu_share(i, a.tp, a.workers)) for i, cmd in enumerate(commands)]
+        for worker in workers:
+            worker.start()
+        server = SchedulerServer(model, addresses, server_config, _scheduler_config(a))
         await server.start()
         try:
             while not stop.is_set():
-                worker.restart_if_dead()
+                for worker in workers:
+                    worker.restart_if_dead()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
         finally:
             log.info("shutting_down")
             await server.stop()
-            worker.stop()
+            for worker in workers:
+                worker.stop()
             shutil.rmtree(sockdir, ignore_errors=True)
 
     _run_until_signal(body)
+
+
+def _gpu_share(index: int, tp: int, groups: int) -> dict[str, str] | None:
+    """The environment of worker group `index`: its own `tp` of the visible GPUs.
+
+    Worked out from CUDA_VISIBLE_DEVICES rather than by asking torch, which the scheduler's
+    process never imports; with one group, or on a machine without GPUs, nothing changes.
+    """
+    if groups == 1:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(d) for d in range(groups * tp)]
+    share = devices[index * tp : (index + 1) * tp]
+    if len(share) < tp:
+        raise ValueError(f"--workers {groups} x --tp {tp} needs {groups * tp} GPUs, CUDA_VISIBLE_DEVICES lists {len(devices)}")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(share)}
 
 
 def cmd_generate(a: argparse.Namespace) -> None:

@@ -68,9 +68,13 @@ class SchedulerConfig:
     max_stop_strings: int = 16
     max_logprobs: int = 20
     max_n: int = 16
+    # Tokens per KV block every worker group must use; 0 = whatever the first group reports
+    # (later groups must then match it: prefix hashes and routing assume one block size).
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(self.block_size >= 0, "block_size must not be negative")
         _require(self.max_queue_len > 0, "max_queue_len must be positive")
         _require(
             self.preemption_mode in PREEMPTION_MODES,

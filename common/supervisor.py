@@ -1,4 +1,4 @@
-"""The local worker process of `llmserve up`: started, restarted if it dies, stopped with us."""
+"""A local worker process of `llmserve up`: started, restarted if it dies, stopped with us."""
 
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ def exit_with_parent(parent_pid: int) -> None:
 class Supervised:
     """The local worker process of `llmserve up`, restarted if it dies (the engine reconnects)."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
+        self.env = env  # None: this process's environment
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._restart_at: float | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd)
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
         log.info("worker_started", pid=self.proc.pid)
 
     def restart_if_dead(self) -> None:

@@ -94,12 +94,20 @@ class BlockManager:
     def _chain(self, seq_id: int, token_ids: Sequence[int], num_blocks: int) -> list[int]:
         """Chain hashes of the first `num_blocks` full blocks (extended lazily, tokens only grow)."""
         hashes = self._hashes.setdefault(seq_id, [])
-        bs = self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_blocks):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            hashes.append(parent)
+        extend_chain(hashes, token_ids, self.block_size, num_blocks)
         return hashes
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt with these chain hashes the prefix cache holds.
+
+        A read-only probe (nothing is attached or revived): routing asks every worker group.
+        """
+        if not self.gpu.enable_caching:
+            return 0
+        for i, content_hash in enumerate(hashes):
+            if self.gpu.lookup(content_hash) is None:
+                return i
+        return len(hashes)
 
     def prefix_hit(self, seq_id: int, token_ids: Sequence[int]) -> list[int]:
         """Indexed blocks holding the longest prefix of `token_ids`; empty if caching is off.
@@ -357,3 +365,11 @@ class BlockManager:
             row = self._array[self._rows[seq_id]]
             if list(row[: len(table)]) != table or (row[len(table):] != -1).any():
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")
+
+
+def extend_chain(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
+    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids`."""
+    parent = hashes[-1] if hashes else _ROOT_HASH
+    for i in range(len(hashes), num_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)

@@ -1,14 +1,20 @@
-"""The engine loop: the one task that mutates scheduling state.
+"""The engine: admission, routing, and one loop per worker group (data-parallel replica).
+
+Each worker group has its own scheduler and block manager (`Replica`) and a loop task that is
+the only code touching them:
 
     while True:
-        apply queued adds and aborts          (handlers only append to the inbox)
+        apply queued adds and aborts          (handlers only append to the group's inbox)
         plan = scheduler.schedule()
         result = await worker.execute(plan)   (the only await while state is mid-step)
         events = scheduler.update(plan, result)
         detokenize, match stop strings, stream to each request's queue
 
-Handlers never touch the scheduler: they validate, post to the inbox and read their queue, so
-an abort (client cancel) takes effect at the next step boundary and frees the blocks then.
+Handlers never touch a scheduler: they validate, pick a group (`Router`), post to its inbox
+and read their queue, so an abort (client cancel) takes effect at that group's next step
+boundary and frees the blocks then. When a group is lost (its stream broke, it missed the
+step deadline, or it deregistered), its requests move with their tokens to the other groups'
+queues and are computed again there; with no other group they fail.
 """
 
 from __future__ import annotations
@@ -25,13 +31,12 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Aborted, Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from common.model_spec import ModelSpec
-from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
-from scheduler_svc.engine_stats import EngineStats
+from scheduler_svc.load import Load, ModelInfo
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.load import GroupLoad, Load, ModelInfo
+from scheduler_svc.replica import Replica
 from scheduler_svc.request import (
     GenerationRequest,
     Limits,
@@ -42,17 +47,15 @@ from scheduler_svc.request import (
     stopping_params,
 )
 from scheduler_svc.request_stream import RequestStream
-from scheduler_svc.scheduler import Scheduler, TokenEvent
+from scheduler_svc.router import Router
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.step_reporter import StepReporter
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLink, WorkerLost
-from scheduler_svc.worker_group import WorkerGroup
+from scheduler_svc.worker_client import WorkerLink, WorkerLost
 
 log = structlog.get_logger(__name__)
-
-# Inbox items: a new group to add, or the stream of a request to abort.
-_Inbox = list["SequenceGroup | RequestStream"]
 
 
 class Engine:
@@ -61,46 +64,59 @@ class Engine:
         spec: ModelSpec,
         tokenizer: Tokenizer,
         config: SchedulerConfig,
-        worker: WorkerClient | WorkerGroup | None,
+        workers: WorkerLink | list[WorkerLink] | None,
         metrics: SchedulerMetrics | None = None,
         on_ready: Callable[[bool], Awaitable[None]] | None = None,
         connect_timeout: float = 30.0,
         chat_template: ChatTemplate | None = None,
-        worker_factory: Callable[[list[str]], WorkerClient | WorkerGroup] | None = None,
+        worker_factory: Callable[[list[str]], WorkerLink] | None = None,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.config = config
-        # A fixed worker (--worker), or None: then registered groups are used (see attach_group).
-        self._static = worker
-        self.worker: WorkerLink = worker or _NoWorker()
+        # Fixed worker groups (--worker), or none: then registered groups serve (see attach_group).
+        self._static = workers if isinstance(workers, list) else [workers] if workers is not None else []
         self._worker_factory = worker_factory
-        self._registered: dict[str, WorkerLink] = {}
-        self._registered_changed = asyncio.Event()
+        # Every worker group known, connected or not, by name.
+        self._replicas: dict[str, Replica] = {}
+        self._router = Router(config.enable_prefix_caching)
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._on_ready = on_ready
+        self._ready_reported: bool | None = None
         self._connect_timeout = connect_timeout
-        self.scheduler: Scheduler | None = None
         self.limits = Limits.of(spec, config)
-        self._inbox: _Inbox = []
-        self._wake = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
+        self._reporter = StepReporter(self.metrics, self._streams)
         self._arrivals = itertools.count()
-        self._block_bytes = 0
-        self._task: asyncio.Task[None] | None = None
-        self._stats = EngineStats()
-        self._reported = (0, 0, 0)
+        # One id space for every group's scheduler, so a request can move between them.
+        self._seq_ids = itertools.count()
         self._draining = False
 
     @property
+    def replicas(self) -> list[Replica]:
+        """The worker groups that are connected and serving."""
+        return [r for r in self._replicas.values() if r.ready]
+
+    @property
     def ready(self) -> bool:
-        return self.scheduler is not None
+        return any(r.ready for r in self._replicas.values())
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size every group must use: configured, else the serving groups' (0: any)."""
+        return self.config.block_size or next((r.scheduler.block_manager.block_size for r in self.replicas), 0)  # type: ignore[union-attr]
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The first serving group's scheduler (the only one with a single worker group)."""
+        return next((r.scheduler for r in self.replicas), None)
 
     # ---- lifecycle ----
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._main(), name="engine")
+        for worker in self._static:
+            self._add_replica(worker.address, worker)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests and give in-flight ones up to `timeout` seconds to finish."""
@@ -110,122 +126,184 @@ class Engine:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        replicas = list(self._replicas.values())
+        for replica in replicas:
+            replica.attached = False
+            if replica.task is not None:
+                replica.task.cancel()
+        for replica in replicas:
+            if replica.task is not None:
+                try:
+                    await replica.task
+                except asyncio.CancelledError:
+                    pass
         self._fail_all(lambda _: Unavailable("the server is shutting down"))
-        await self.worker.close()
-        for worker in self._registered.values():
-            await worker.close()
+        for replica in replicas:
+            await replica.worker.close()
+        self._replicas.clear()
 
     def attach_group(self, name: str, addresses: list[str]) -> None:
-        """A registered group has all its ranks: serve with it if nothing else serves."""
-        if self._worker_factory is None:
+        """A registered group has all its ranks: connect to it and serve with it."""
+        if self._worker_factory is None or self._static or name in self._replicas:
             return
-        self._registered[name] = self._worker_factory(addresses)
-        self._registered_changed.set()
+        self._add_replica(name, self._worker_factory(addresses))
 
     def detach_group(self, name: str) -> None:
         """A rank of a registered group left: the group is gone (its KV spans every rank)."""
-        worker = self._registered.pop(name, None)
-        if worker is not None and worker is self.worker:
-            # Breaking its stream makes a step in flight fail over (WorkerLost, then the next
-            # group); an idle loop is woken to notice.
-            asyncio.get_running_loop().create_task(worker.close())
-            self._wake.set()
-        self._registered_changed.set()
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        replica.attached = False
+        # Breaking its stream makes a step in flight fail (WorkerLost) and the group's requests
+        # move; an idle loop is woken to notice.
+        asyncio.get_running_loop().create_task(replica.worker.close())
+        replica.wake.set()
 
-    async def _next_worker(self) -> bool:
-        """Registry mode: make a registered group current; False while none is registered."""
-        if self._static is not None:
-            return True
-        if self.worker in self._registered.values():
-            return True
-        candidate = next(iter(self._registered.values()), None)
-        if candidate is None:
-            self.worker = _NoWorker()
-            self._registered_changed.clear()
-            await self._registered_changed.wait()
-            return False
-        self.worker = candidate
-        return True
+    def _add_replica(self, name: str, worker: WorkerLink) -> None:
+        replica = Replica(name, worker)
+        self._replicas[name] = replica
+        replica.task = asyncio.create_task(self._run(replica), name=f"engine:{name}")
 
-    async def _main(self) -> None:
-        while True:
-            if not await self._next_worker():
-                continue
-            try:
-                info = await self.worker.connect(self._connect_timeout)
-            except WorkerLost as error:
-                # Each attempt waits connect_timeout for the channel; then say so and try again.
-                log.warning("worker_unreachable", address=self.worker.address, reason=str(error), retrying=True)
-                await asyncio.sleep(1.0)
-                continue
-            problem = self._incompatibility(info)
-            if problem:
-                log.error("worker_refused", address=self.worker.address, reason=problem)
-                await self.worker.close()
-                # A registered group that cannot serve this model is dropped, not retried.
-                for name, worker in list(self._registered.items()):
-                    if worker is self.worker:
-                        del self._registered[name]
-                await asyncio.sleep(0 if self._static is None else 5.0)
-                continue
-            self.limits = Limits.of(self.spec, self.config, min(self.spec.max_model_len, info.max_model_len))
-            self._reported = (0, 0, 0)
-            self._block_bytes = info.block_bytes
-            self.scheduler = Scheduler(
-                self.config,
-                BlockManager(
-                    info.num_gpu_blocks,
-                    info.block_size,
-                    num_cpu_blocks=info.num_cpu_blocks,
-                    enable_prefix_caching=self.config.enable_prefix_caching,
-                ),
-                max_model_len=self.limits.max_model_len,
-                eos_token_ids=self.spec.eos_token_ids,
-                block_bytes=info.block_bytes,
-            )
-            log.info(
-                "worker_ready",
-                address=self.worker.address,
-                device=info.device,
-                dtype=info.dtype,
-                num_gpu_blocks=info.num_gpu_blocks,
+    async def _run(self, replica: Replica) -> None:
+        """Connect to the group and serve with it until it is lost; a --worker one is retried."""
+        try:
+            while replica.attached:
+                await self._serve(replica)
+                if replica.attached:
+                    await asyncio.sleep(1.0)
+        finally:
+            if self._replicas.get(replica.name) is replica:
+                del self._replicas[replica.name]
+            # However the task ended, nothing may stay queued on a group that no longer runs.
+            if replica.scheduler is not None or replica.inbox:
+                self._recover(replica)
+            await replica.worker.close()
+            await self._refresh_ready()
+
+    async def _serve(self, replica: Replica) -> None:
+        worker = replica.worker
+        try:
+            info = await worker.connect(self._connect_timeout)
+        except WorkerLost as error:
+            # Each attempt waits connect_timeout for the channel; then say so and try again.
+            log.warning("worker_unreachable", group=replica.name, address=worker.address, reason=str(error), retrying=True)
+            return
+        problem = self._incompatibility(info)
+        if problem:
+            log.error("worker_refused", group=replica.name, address=worker.address, reason=problem)
+            await worker.close()
+            # A registered group that cannot serve this model is dropped; a --worker is retried.
+            if not self._static:
+                replica.attached = False
+            else:
+                await asyncio.sleep(4.0)
+            return
+        replica.info = info
+        replica.reported = (0, 0, 0)
+        replica.scheduler = Scheduler(
+            self.config,
+            BlockManager(
+                info.num_gpu_blocks,
+                info.block_size,
                 num_cpu_blocks=info.num_cpu_blocks,
-                block_size=info.block_size,
-                max_model_len=self.limits.max_model_len,
-            )
-            await self._set_ready(True)
-            try:
-                await self._loop(self.scheduler)
-            except WorkerLost as error:
-                log.error("worker_lost", address=self.worker.address, reason=str(error))
-                await self._fail_in_flight("the worker was lost")
-            except Exception:  # noqa: BLE001
-                # A bug must not leave requests waiting forever on a dead loop: fail them, then
-                # start over with a fresh scheduler (the worker's cache holds nothing we need).
-                log.exception("engine_failed")
-                await self._fail_in_flight("internal engine failure (see server logs)")
-            await self.worker.close()
-
-    async def _fail_in_flight(self, what: str) -> None:
-        """End every request: ABORTED for those that streamed tokens, UNAVAILABLE for the rest."""
-        await self._set_ready(False)
-        self._fail_all(
-            lambda s: Aborted(f"{what} after {s.num_output_tokens} tokens were streamed")
-            if s.num_output_tokens
-            else Unavailable(f"{what}; retry the request")
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            ),
+            max_model_len=min(self.spec.max_model_len, info.max_model_len),
+            eos_token_ids=self.spec.eos_token_ids,
+            block_bytes=info.block_bytes,
+            seq_ids=self._seq_ids,
         )
-        # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
-        # gauges at their last values until a worker is back.
-        for gauge in (self.metrics.running, self.metrics.waiting, self.metrics.swapped,
-                      self.metrics.kv_usage, self.metrics.cpu_usage):
-            gauge.set(0)
+        log.info(
+            "worker_ready",
+            group=replica.name,
+            address=worker.address,
+            device=info.device,
+            dtype=info.dtype,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+            block_size=info.block_size,
+            max_model_len=replica.scheduler.max_model_len,
+        )
+        await self._refresh_ready()
+        try:
+            await self._loop(replica, replica.scheduler)
+        except WorkerLost as error:
+            log.error("worker_lost", group=replica.name, address=worker.address, reason=str(error))
+            self._recover(replica)
+        except Exception:  # noqa: BLE001
+            # A bug must not leave requests waiting forever on a dead loop: fail this group's
+            # requests (its state is suspect, so they are not moved), then start it over.
+            log.exception("engine_failed", group=replica.name)
+            groups, aborts = replica.evacuate()
+            self._drop_aborted(aborts)
+            for group in groups:
+                self._fail_stream(group, "internal engine failure (see server logs)")
+        await worker.close()
+        await self._refresh_ready()
+
+    def _recover(self, lost: Replica) -> None:
+        """Move the lost group's requests, with their tokens, to the other groups' queues.
+
+        They are computed again there from their prompt and output so far; streams continue
+        where they were, since tokens are only appended once a step's result arrives and
+        sampling depends only on (seed, position). Without another group they fail.
+        """
+        groups, aborts = lost.evacuate()
+        self._drop_aborted(aborts)
+        targets = [r for r in self.replicas if r is not lost]
+        moved = failed = 0
+        for group in groups:
+            stream = self._streams.get(group.request_id)
+            if stream is None or stream.group is not group:
+                continue
+            fits = [r for r in targets if self._fits(r, group)]
+            target = self._router.pick(fits, group.seqs[0].token_ids)
+            if target is None:
+                self._fail_stream(group, "the worker was lost")
+                failed += 1
+                continue
+            stream.replica = target.name
+            target.post(group)
+            moved += 1
+        self.metrics.recovered.inc(moved)
+        if moved or failed:
+            log.warning("requests_recovered", group=lost.name, moved=moved, failed=failed, to=[t.name for t in targets])
+
+    def _fits(self, replica: Replica, group: SequenceGroup) -> bool:
+        sched = replica.scheduler
+        assert sched is not None
+        seq = group.seqs[0]
+        return sched.can_ever_fit(seq.num_prompt_tokens, seq.token_limit or sched.max_model_len, group.width)
+
+    def _fail_stream(self, group: SequenceGroup, what: str) -> None:
+        """End a request that lost its worker: ABORTED if it streamed tokens, else UNAVAILABLE."""
+        stream = self._streams.pop(group.request_id, None)
+        if stream is None:
+            return
+        n = stream.num_output_tokens
+        stream.fail(Aborted(f"{what} after {n} tokens were streamed") if n else Unavailable(f"{what}; retry the request"))
+
+    def _drop_aborted(self, aborts: list[RequestStream]) -> None:
+        for stream in aborts:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+
+    async def _refresh_ready(self) -> None:
+        """Tell health whether any group serves; limits follow the groups that do."""
+        ready = self.replicas
+        if ready:
+            self.limits = Limits.of(self.spec, self.config, min(r.scheduler.max_model_len for r in ready))  # type: ignore[union-attr]
+        else:
+            # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
+            # gauges at their last values until a worker is back.
+            for gauge in (self.metrics.running, self.metrics.waiting, self.metrics.swapped,
+                          self.metrics.kv_usage, self.metrics.cpu_usage):
+                gauge.set(0)
+        for name in self.metrics.group_names() - {r.name for r in ready}:
+            self.metrics.remove_group(name)
+        if self._on_ready is not None and self._ready_reported != bool(ready):
+            self._ready_reported = bool(ready)
+            await self._on_ready(bool(ready))
 
     def _incompatibility(self, info: WorkerInfo) -> str | None:
         if info.model_name != self.spec.name:
@@ -234,21 +312,18 @@ class Engine:
             return f"worker vocabulary has {info.vocab_size} tokens, the model's config says {self.spec.vocab_size}"
         if info.num_gpu_blocks <= 0:
             return "worker reports no KV blocks"
+        if self.block_size and info.block_size != self.block_size:
+            return f"worker uses KV blocks of {info.block_size} tokens, this scheduler {self.block_size}; start it with --block-size {self.block_size}"
         return None
-
-    async def _set_ready(self, ready: bool) -> None:
-        if not ready:
-            self.scheduler = None
-        if self._on_ready is not None:
-            await self._on_ready(ready)
 
     def _fail_all(self, error_for: Callable[[RequestStream], Exception]) -> None:
         for stream in self._streams.values():
             stream.fail(error_for(stream))
         self._streams.clear()
-        self._inbox.clear()
-        if self.scheduler is not None:
-            self.scheduler.abort_all()
+        for replica in self._replicas.values():
+            replica.inbox.clear()
+            if replica.scheduler is not None:
+                replica.scheduler.abort_all()
 
     # ---- requests ----
 
@@ -272,10 +347,10 @@ class Engine:
                 self._abort(stream)
 
     def _admit(self, req: GenerationRequest) -> RequestStream:
-        scheduler = self.scheduler
         if self._draining:
             raise Unavailable("the server is shutting down")
-        if scheduler is None:
+        ready = self.replicas
+        if not ready:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         check_fields(req, self.limits)
         tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
@@ -291,22 +366,26 @@ class Engine:
             if width > limit:
                 field = "sampling.beam_width" if sampling.beam_width > 1 else "sampling.best_of"
                 raise InvalidArgument(field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})")
-        if not scheduler.can_ever_fit(len(tokens), total, width):
-            bm = scheduler.block_manager
-            need = scheduler.blocks_for_group(len(tokens), total, width)
+        fit = [r for r in ready if r.scheduler.can_ever_fit(len(tokens), total, width)]  # type: ignore[union-attr]
+        if not fit:
+            biggest = max((r.scheduler for r in ready), key=lambda s: s.block_manager.num_blocks)  # type: ignore[union-attr]
+            bm = biggest.block_manager  # type: ignore[union-attr]
+            need = biggest.blocks_for_group(len(tokens), total, width)  # type: ignore[union-attr]
             raise ResourceExhausted(
                 f"the request needs {need} KV blocks ({width} x up to {total} tokens), more than the whole "
                 f"cache holds ({bm.num_blocks} blocks of {bm.block_size}); lower stopping.max_tokens, "
                 f"the prompt length, n, best_of or beam_width"
             )
-        queued = scheduler.num_waiting + sum(isinstance(i, SequenceGroup) for i in self._inbox)
-        if queued >= self.config.max_queue_len:
+        room = [r for r in fit if r.num_queued < self.config.max_queue_len]
+        target = self._router.pick(room, tokens)
+        if target is None:
             raise ResourceExhausted(
-                f"the waiting queue is full ({queued} requests, --max-queue-len {self.config.max_queue_len}); retry later"
+                f"the waiting queue is full ({sum(r.num_queued for r in fit)} requests, --max-queue-len "
+                f"{self.config.max_queue_len} per worker group); retry later"
             )
         arrival = next(self._arrivals)
         seq = Sequence(
-            seq_id=scheduler.new_seq_id(),
+            seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt_token_ids=tokens,
             sampling=sampling,
@@ -314,14 +393,14 @@ class Engine:
             arrival=arrival,
         )
         group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
-        stream = RequestStream(group, self.tokenizer, self._block_bytes)
+        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target.name)
         self._streams[request_id] = stream
-        self._inbox.append(group)
-        self._wake.set()
+        target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
         log.info(
             "request_admitted",
             request_id=request_id,
+            group=target.name,
             prompt_tokens=len(tokens),
             max_tokens=req.max_tokens,
             priority=req.priority,
@@ -343,26 +422,23 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def model_info(self) -> ModelInfo:
-        block_size = self.scheduler.block_manager.block_size if self.scheduler is not None else 0
         return ModelInfo(
             model_name=self.spec.name,
             max_model_len=self.limits.max_model_len,
             vocab_size=self.spec.vocab_size,
             eos_token_ids=tuple(sorted(self.spec.eos_token_ids)),
-            block_size=block_size,
+            block_size=self.block_size if self.ready else 0,
             has_chat_template=self.chat_template is not None,
             limits=self.limits,
             max_queue_len=self.config.max_queue_len,
         )
 
     def load(self) -> Load | None:
-        """Queue lengths and KV usage; None while no worker is ready."""
-        sched = self.scheduler
-        if sched is None:
+        """Queue lengths and KV usage, in all and per worker group; None while none serves."""
+        groups = [g for g in (r.load() for r in self.replicas) if g is not None]
+        if not groups:
             return None
-        bm = sched.block_manager
-        group = GroupLoad(self.worker.address, bm.num_blocks, bm.num_free_blocks, bm.cpu.num_blocks, bm.cpu.num_free, sched.num_running)
-        return Load(sched.num_running, sched.num_waiting, sched.num_swapped, (group,))
+        return Load(sum(g.running for g in groups), sum(g.waiting for g in groups), sum(g.swapped for g in groups), tuple(groups))
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort in-flight requests by id (their streams end CANCELLED); unknown ids are ignored."""
@@ -382,15 +458,18 @@ class Engine:
         """Abort a request (client cancel or deadline); its blocks are freed at the next step.
 
         The stream object, not the request id, names the request: a late abort must not hit a
-        newer request that reuses the id.
+        newer request that reuses the id. It goes to the group the request is on now.
         """
-        self._inbox.append(stream)
-        self._wake.set()
+        replica = self._replicas.get(stream.replica)
+        if replica is not None:
+            replica.post(stream)
+        elif self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
 
-    # ---- the loop ----
+    # ---- the loop (one task per worker group) ----
 
-    def _apply_inbox(self, scheduler: Scheduler) -> None:
-        inbox, self._inbox = self._inbox, []
+    def _apply_inbox(self, replica: Replica, scheduler: Scheduler) -> None:
+        inbox, replica.inbox = replica.inbox, []
         for item in inbox:
             if isinstance(item, SequenceGroup):
                 stream = self._streams.get(item.request_id)
@@ -401,119 +480,21 @@ class Engine:
                 scheduler.abort(item.group.group_id)
                 log.info("request_aborted", request_id=item.request_id, completion_tokens=item.num_output_tokens)
 
-    async def _loop(self, scheduler: Scheduler) -> None:
+    async def _loop(self, replica: Replica, scheduler: Scheduler) -> None:
         while True:
-            if self._static is None and self.worker not in self._registered.values():
-                raise WorkerLost(f"{self.worker.address} deregistered")
-            self._wake.clear()
-            self._apply_inbox(scheduler)
-            self._publish_gauges(scheduler)
+            if not replica.attached:
+                raise WorkerLost(f"group {replica.name} deregistered")
+            replica.wake.clear()
+            self._apply_inbox(replica, scheduler)
+            self._reporter.publish_gauges(replica, self.replicas)
             plan = scheduler.schedule() if scheduler.has_work else None
             if plan is None:
-                await self._wake.wait()
+                await replica.wake.wait()
                 continue
-            self._observe_admissions(scheduler)
-            with structlog.contextvars.bound_contextvars(step_id=plan.step_id):
-                result, timing = await self.worker.execute(plan)
+            self._reporter.observe_admissions(scheduler)
+            with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
+                result, timing = await replica.worker.execute(plan)
                 events = scheduler.update(plan, result)
-                self._emit(scheduler, events)
+                self._reporter.emit(scheduler, events)
                 # Sampled rows, not events: beam steps sample every beam but emit only at the end.
-                self._record(plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing)
-
-    def _emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
-        touched: dict[str, RequestStream] = {}
-        now = time.monotonic()
-        for event in events:
-            stream = self._streams.get(event.seq.request_id)
-            if stream is None or stream.group is not event.seq.group:
-                continue
-            if event.token_id >= 0:
-                stream.on_token(event, scheduler)
-                if stream.first_token_time is None:
-                    stream.first_token_time = now
-                    self.metrics.ttft.observe(now - stream.arrival_time)
-                elif stream.last_token_time is not None and stream.last_token_time < now:
-                    self.metrics.itl.observe(now - stream.last_token_time)
-                stream.last_token_time = now
-            touched[stream.request_id] = stream
-        # Only after every event of the step: a stop string on one sample can end the group
-        # while a sibling's last token of the same step is still to be sent.
-        for stream in touched.values():
-            if stream.group.is_finished:
-                self._close(stream)
-
-    def _close(self, stream: RequestStream) -> None:
-        stream.finish()
-        del self._streams[stream.request_id]
-        self.metrics.e2e.observe(time.monotonic() - stream.arrival_time)
-        stats = stream.stats()
-        log.info(
-            "request_finished",
-            request_id=stream.request_id,
-            finish_reasons=[s.finish_reason.value for s in stream.group.seqs if s.finish_reason],
-            prompt_tokens=stream.group.seqs[0].num_prompt_tokens,
-            completion_tokens=stream.num_output_tokens,
-            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-            preemptions=stats.num_preemptions,
-            swaps=stats.num_swaps,
-            swapped_bytes=stats.swapped_bytes,
-        )
-
-    def _observe_admissions(self, scheduler: Scheduler) -> None:
-        now = time.monotonic()
-        for group in scheduler.admitted:
-            stream = self._streams.get(group.request_id)
-            if stream is not None and stream.group is group and not stream.scheduled:
-                stream.scheduled = True
-                self.metrics.queue_time.observe(now - stream.arrival_time)
-
-    def _publish_gauges(self, scheduler: Scheduler) -> None:
-        m = self.metrics
-        m.running.set(scheduler.num_running)
-        m.waiting.set(scheduler.num_waiting)
-        m.swapped.set(scheduler.num_swapped)
-        bm = scheduler.block_manager
-        m.kv_usage.set(bm.num_used_blocks / bm.num_blocks)
-        m.cpu_usage.set(bm.cpu.num_used / bm.cpu.num_blocks if bm.cpu.num_blocks else 0.0)
-
-    def _record(self, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
-        m = self.metrics
-        m.plan_bytes.observe(timing.plan_bytes)
-        m.roundtrip.observe(timing.roundtrip_seconds)
-        m.generation_tokens.inc(num_sampled)
-        sched = self.scheduler
-        if sched is not None:
-            # The scheduler keeps plain counters (it is pure); publish what moved since last step.
-            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens)
-            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits), now, self._reported):
-                if new > old:
-                    counter.inc(new - old)
-            self._reported = now
-        log.debug(
-            "step",
-            step_id=step_id,
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            plan_bytes=timing.plan_bytes,
-            roundtrip_ms=round(timing.roundtrip_seconds * 1e3, 3),
-            execute_ms=round(timing.execute_seconds * 1e3, 3),
-        )
-        self._stats.add(num_tokens, num_sampled, timing)
-        if self._stats.due() and self.scheduler is not None:
-            log.info("engine_stats", **self._stats.summary(self.scheduler))
-            self._stats.reset()
-
-
-class _NoWorker:
-    """Stands in while no registered group exists (registry mode): never connected."""
-
-    address = "(none registered)"
-
-    async def connect(self, timeout: float) -> WorkerInfo:
-        raise WorkerLost("no worker has registered")
-
-    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
-        raise WorkerLost("no worker has registered")
-
-    async def close(self) -> None:
-        pass
+                self._reporter.record(replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing)

@@ -23,12 +23,15 @@ class ModelInfo:
 class GroupLoad:
     """KV usage of one worker group (cached prefix blocks count as free: they are evicted on demand)."""
 
+    name: str
     address: str
     num_gpu_blocks: int
     free_gpu_blocks: int
     num_cpu_blocks: int
     free_cpu_blocks: int
     running: int
+    waiting: int
+    swapped: int
 
 
 @dataclass(frozen=True)

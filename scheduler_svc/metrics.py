@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from scheduler_svc.load import GroupLoad
+
 _BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -14,6 +16,7 @@ _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class SchedulerMetrics:
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -35,6 +38,9 @@ class SchedulerMetrics:
         self.preemptions = counter("llmserve:num_preemptions", "Requests preempted (swap or recompute).")
         self.prefix_queries = counter("llmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("llmserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.recovered = counter(
+            "llmserve:requests_recovered", "Requests moved to another worker group after theirs was lost."
+        )
         self.prompt_tokens = counter("llmserve:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("llmserve:generation_tokens", "Tokens generated.")
         self.ttft = histogram(
@@ -50,5 +56,44 @@ class SchedulerMetrics:
             "llmserve:step_roundtrip_seconds", "Plan sent to result received, per step.", _SECONDS_BUCKETS
         )
 
+        # Per worker group (data-parallel replica), labelled with its name.
+        by_group = ["model_name", "group"]
+        self._group_gauges = {
+            field: Gauge(f"llmserve:group_{name}", doc, by_group, registry=r)
+            for field, name, doc in (
+                ("running", "num_requests_running", "Requests running on the worker group."),
+                ("waiting", "num_requests_waiting", "Requests routed to the worker group and waiting there."),
+                ("swapped", "num_requests_swapped", "Requests of the worker group swapped out to its host memory."),
+                ("num_gpu_blocks", "gpu_blocks", "Device KV blocks of the worker group."),
+                ("free_gpu_blocks", "free_gpu_blocks", "Free device KV blocks of the worker group."),
+            )
+        }
+        self._groups: set[str] = set()
+
+    def group(self, name: str) -> _GroupGauges:
+        self._groups.add(name)
+        return _GroupGauges({f: g.labels(self.model_name, name) for f, g in self._group_gauges.items()})
+
+    def group_names(self) -> set[str]:
+        return set(self._groups)
+
+    def remove_group(self, name: str) -> None:
+        """A group that left stops being reported (not frozen at its last values)."""
+        self._groups.discard(name)
+        for gauge in self._group_gauges.values():
+            try:
+                gauge.remove(self.model_name, name)
+            except KeyError:
+                pass
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _GroupGauges:
+    def __init__(self, gauges: dict[str, Gauge]) -> None:
+        self._gauges = gauges
+
+    def set(self, load: GroupLoad) -> None:
+        for field, gauge in self._gauges.items():
+            gauge.set(getattr(load, field))

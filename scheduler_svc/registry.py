@@ -2,7 +2,7 @@
 
 A group is usable once all of its ranks have registered; the engine is handed it then, and
 told when any of its ranks leaves (the rank's Register call ended or broke). A rank serving
-another model is refused at once, with the reason.
+another model or block size is refused at once, with the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Registration:
     rank: int
     world_size: int
     model_name: str
+    block_size: int = 0  # 0: not reported
 
 
 class Registry:
@@ -30,8 +31,11 @@ class Registry:
         model_name: str,
         on_complete: Callable[[str, list[str]], None],
         on_departure: Callable[[str], None],
+        block_size: Callable[[], int] = lambda: 0,
     ) -> None:
         self.model_name = model_name
+        # The scheduler's block size: configured, or adopted from the first group (0: not yet).
+        self._block_size = block_size
         self._on_complete = on_complete
         self._on_departure = on_departure
         self._groups: dict[str, dict[int, Registration]] = {}
@@ -40,6 +44,9 @@ class Registry:
         """Take a rank; returns why it is refused, or None."""
         if r.model_name != self.model_name:
             return f"this scheduler serves model {self.model_name!r}, the worker serves {r.model_name!r}"
+        expected = self._block_size()
+        if expected and r.block_size and r.block_size != expected:
+            return f"this scheduler uses KV blocks of {expected} tokens, the worker {r.block_size}; start it with --block-size {expected}"
         if not r.address:
             return "the registration has no address to reach the worker at"
         if r.world_size < 1 or not 0 <= r.rank < r.world_size:

@@ -26,6 +26,7 @@ class RequestStream:
     group: SequenceGroup
     tokenizer: Tokenizer
     block_bytes: int
+    replica: str = ""  # name of the worker group the request is on (it moves on recovery)
     queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
     aborted: bool = False  # by an Abort call: its blocks go at the next step
     # Latency bookkeeping for the metrics (monotonic seconds).

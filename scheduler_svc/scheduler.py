@@ -60,6 +60,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         block_bytes: int = 0,
+        seq_ids: Iterator[int] | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -71,7 +72,9 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self._groups: dict[int, SequenceGroup] = {}  # by group_id
         self._seqs: dict[int, Sequence] = {}
-        self._ids: Iterator[int] = itertools.count()
+        # Shared by every scheduler of an engine, so a group can move to another worker group's
+        # scheduler (recovery) without its sequence ids colliding there.
+        self._ids: Iterator[int] = seq_ids if seq_ids is not None else itertools.count()
         self._next_step_id = 0
         self._in_flight: tuple[int, list[Sequence]] | None = None
         self._last_preempt_step = -1
@@ -114,7 +117,8 @@ class Scheduler:
         if group.is_beam and group.beam is None:
             group.beam = BeamSearch(group.sampling.beam_width, group.sampling.length_penalty)
         group.status = SequenceStatus.WAITING
-        for seq in group.seqs:
+        # A group moved here from a lost worker group may hold finished samples already.
+        for seq in group.live():
             seq.status = SequenceStatus.WAITING
             stopping = seq.stopping
             seq.stop_ids = stopping.stop_token_ids if stopping.ignore_eos else stopping.stop_token_ids | self.eos_token_ids
@@ -151,6 +155,32 @@ class Scheduler:
 
     def abort_all(self) -> list[SequenceGroup]:
         return [g for g in (self.abort(i) for i in list(self._groups)) if g is not None]
+
+    def evacuate(self) -> list[SequenceGroup]:
+        """Take every unfinished group out, in line order, reset to be computed again elsewhere.
+
+        For a lost worker group: its KV cache is gone, so each live sequence keeps its tokens
+        (prompt and output so far) and starts from nothing computed, as after a recompute
+        preemption. Blocks are freed, so this scheduler is left empty and consistent.
+        """
+        groups = sorted(self._groups.values(), key=lambda g: g.key)
+        for group in groups:
+            for seq in group.live():
+                self.block_manager.free(seq.seq_id)
+                del self._seqs[seq.seq_id]
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            group.status = SequenceStatus.WAITING
+            # Step ids are this scheduler's own; the anti-thrash rule must not carry over.
+            group.preempted_step = -1
+        self.waiting.clear()
+        self.running.clear()
+        self.swapped.clear()
+        self._groups.clear()
+        self.running_slots = 0
+        self._in_flight = None
+        self.block_manager.take_ops()
+        return groups
 
     @property
     def has_work(self) -> bool:

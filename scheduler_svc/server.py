@@ -36,7 +36,7 @@ class SchedulerServer:
     def __init__(
         self,
         model_dir: str,
-        worker_address: str,
+        worker_address: str | list[str],
         server_config: ServerConfig,
         scheduler_config: SchedulerConfig,
         step_timeout: float = 600.0,
@@ -50,13 +50,16 @@ class SchedulerServer:
             spec,
             Tokenizer(model_dir),
             scheduler_config,
-            _worker(worker_address, step_timeout, worker_tls) if worker_address else None,
+            # Each address is one worker group (a tensor-parallel one: its ranks, comma-separated).
+            [_worker(a, step_timeout, worker_tls) for a in ([worker_address] if isinstance(worker_address, str) else worker_address) if a],
             metrics=self.metrics,
             on_ready=self._on_ready,
             chat_template=ChatTemplate.from_dir(model_dir),
             worker_factory=lambda addresses: _worker(",".join(addresses), step_timeout, worker_tls),
         )
-        self.registry = Registry(spec.name, self.engine.attach_group, self.engine.detach_group)
+        self.registry = Registry(
+            spec.name, self.engine.attach_group, self.engine.detach_group, block_size=lambda: self.engine.block_size
+        )
         # Metrics outermost: an error is counted under the status code the client saw.
         self.server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from common.arrays import pack, unpack
@@ -197,14 +199,7 @@ def load(value: Load) -> gen_pb.Load:
         waiting=value.waiting,
         swapped=value.swapped,
         groups=[
-            gen_pb.WorkerGroupLoad(
-                address=g.address,
-                num_gpu_blocks=g.num_gpu_blocks,
-                free_gpu_blocks=g.free_gpu_blocks,
-                num_cpu_blocks=g.num_cpu_blocks,
-                free_cpu_blocks=g.free_cpu_blocks,
-                running=g.running,
-            )
+            gen_pb.WorkerGroupLoad(**dataclasses.asdict(g))
             for g in value.groups
         ],
     )
@@ -213,7 +208,7 @@ def load(value: Load) -> gen_pb.Load:
 def registration(msg: reg_pb.RegisterRequest) -> Registration:
     return Registration(
         address=msg.address, group=msg.group or msg.address, rank=msg.rank, world_size=msg.world_size or 1,
-        model_name=msg.model_name,
+        model_name=msg.model_name, block_size=msg.block_size,
     )
 
 

@@ -72,11 +72,18 @@ class WorkerClient:
         """Execute `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
         if self._call is None:
             raise WorkerLost(f"worker {self.address} is not connected")
+        call = self._call
         size = msg.ByteSize()
         start = time.perf_counter()
         try:
-            await self._call.write(msg)
-            reply = await asyncio.wait_for(self._call.read(), self.step_timeout)
+            await call.write(msg)
+            reply = await asyncio.wait_for(call.read(), self.step_timeout)
+        except asyncio.CancelledError:
+            # close() during the step (the group deregistered) cancels the call, which surfaces
+            # here as a cancellation; only a cancelled task should see one.
+            if call is not self._call:
+                raise WorkerLost(f"worker {self.address} was closed during step {plan.step_id}") from None
+            raise
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
             raise WorkerLost(f"worker {self.address} failed step {plan.step_id}: {error}") from error
         except TimeoutError as error:

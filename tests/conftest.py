@@ -143,22 +143,28 @@ class Scheduler:
             await asyncio.sleep(0.05)
 
     async def wait_idle(self, timeout: float = 5.0) -> None:
-        """Every request gone and every KV block back in the free pool (integrity checked)."""
+        """Every request gone and every KV block of every worker group back in its free pool
+        (integrity checked)."""
         deadline = time.monotonic() + timeout
         while True:
-            sched = self.engine.scheduler
-            bm = None if sched is None else sched.block_manager
-            if bm is None or (not sched.has_work and not self.engine._inbox
-                              and bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks):
+            busy = [r for r in self.engine.replicas if not _replica_idle(r)]
+            if not busy and not self.engine._streams:
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"not idle after {timeout}s: running={sched.num_running} waiting={sched.num_waiting} "
-                    f"free={sched.block_manager.num_free_blocks}/{sched.block_manager.num_blocks}"
+                    f"not idle after {timeout}s: streams={len(self.engine._streams)} "
+                    + " ".join(f"{r.name}: {r.load()}" for r in busy)
                 )
             await asyncio.sleep(0.02)
-        if sched is not None:
-            sched.check_integrity()
+        for replica in self.engine.replicas:
+            replica.scheduler.check_integrity()
+
+
+def _replica_idle(replica) -> bool:  # type: ignore[no-untyped-def]
+    sched = replica.scheduler
+    bm = sched.block_manager
+    return (not sched.has_work and not replica.inbox
+            and bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks)
 
 
 async def start_scheduler(model_dir: Path, worker_address: str, **config: int) -> Scheduler:

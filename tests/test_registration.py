@@ -18,11 +18,11 @@ from common.config import SchedulerConfig, ServerConfig
 from tests.conftest import REPO, Scheduler, collect, free_port, request, stop_scheduler
 
 
-async def registry_scheduler(model_dir: Path) -> Scheduler:
+async def registry_scheduler(model_dir: Path, **config: int) -> Scheduler:
     from common.pb.llmserve.v1 import generation_pb2_grpc
     from scheduler_svc.server import SchedulerServer
 
-    server = SchedulerServer(str(model_dir), "", ServerConfig(port=0), SchedulerConfig(), step_timeout=60.0)
+    server = SchedulerServer(str(model_dir), "", ServerConfig(port=0), SchedulerConfig(**config), step_timeout=60.0)
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     return Scheduler(server, channel, generation_pb2_grpc.GenerationStub(channel), port)
@@ -40,6 +40,14 @@ async def until(condition: object, timeout: float = 60.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition never held"
         await asyncio.sleep(0.1)
+
+
+async def refused(worker: subprocess.Popen[bytes]) -> bytes:
+    """The output of a worker that must exit with status 2 (refused)."""
+    # Poll, never block: the scheduler under test runs on this event loop.
+    await until(lambda: worker.poll() is not None, timeout=120)
+    assert worker.returncode == 2
+    return worker.stdout.read() if worker.stdout else b""
 
 
 async def test_a_late_worker_joins_leaves_and_is_replaced_without_a_restart(tiny_model_dir: Path) -> None:
@@ -79,15 +87,35 @@ async def test_a_worker_serving_another_model_is_refused_and_exits(tiny_model_di
         (other / path.name).symlink_to(path)
     s = await registry_scheduler(tiny_model_dir)
     try:
-        worker = registering_worker(other, s.port)
-        # Poll, never block: the scheduler under test runs on this event loop.
-        await until(lambda: worker.poll() is not None, timeout=120)
-        out = worker.stdout.read() if worker.stdout else b""
-        assert worker.returncode == 2
+        out = await refused(registering_worker(other, s.port))
         assert b"this scheduler serves model 'tiny-llama', the worker serves 'another-model'" in out
         assert not s.engine.ready
     finally:
         await stop_scheduler(s)
+
+
+async def test_a_worker_with_another_block_size_is_refused_and_exits(tiny_model_dir: Path) -> None:
+    s = await registry_scheduler(tiny_model_dir, block_size=16)
+    try:
+        out = await refused(registering_worker(tiny_model_dir, s.port, "--block-size", "32"))
+        assert b"this scheduler uses KV blocks of 16 tokens, the worker 32; start it with --block-size 16" in out
+        assert not s.engine.ready
+    finally:
+        await stop_scheduler(s)
+
+
+def test_the_registry_refuses_a_block_size_unlike_the_serving_groups() -> None:
+    from scheduler_svc.registry import Registration, Registry
+
+    joined: list[str] = []
+    size = {"now": 0}
+    registry = Registry("m", lambda name, _: joined.append(name), lambda _: None, block_size=lambda: size["now"])
+    assert registry.join(Registration("a:1", "a", 0, 1, "m", block_size=32)) is None  # nothing serves yet: any size
+    size["now"] = 32  # the engine adopted group a's
+    refusal = registry.join(Registration("b:1", "b", 0, 1, "m", block_size=16))
+    assert refusal is not None and "KV blocks of 32 tokens, the worker 16" in refusal
+    assert registry.join(Registration("c:1", "c", 0, 1, "m", block_size=32)) is None
+    assert joined == ["a", "c"]
 
 
 async def test_a_tp_group_registers_when_all_ranks_have(tiny_model_dir: Path) -> None:
@@ -95,7 +123,7 @@ async def test_a_tp_group_registers_when_all_ranks_have(tiny_model_dir: Path) ->
     launcher = registering_worker(tiny_model_dir, s.port, "--tp", "2")
     try:
         await until(lambda: s.engine.ready, timeout=90)
-        assert "," in s.engine.worker.address  # both ranks, as one group
+        assert "," in s.engine.replicas[0].worker.address  # both ranks, as one group
         gen = await collect(s.stub, request(ids=[5, 6, 7], max_tokens=4, ignore_eos=True))
         assert len(gen.token_ids) == 4
         await s.wait_idle()

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.cli import _parser, _server_config, _tls_config, _worker_tls_config
+from common.cli import _client_tls_config, _parser, _server_config, _tls_config
 from common.config import SchedulerConfig, ServerConfig, TlsClientConfig, TlsConfig
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from common.tls import open_channel
@@ -210,6 +210,35 @@ async def test_scheduler_that_does_not_trust_the_worker_ca_never_becomes_ready(
         await server.stop()
 
 
+async def test_a_worker_registers_over_mutual_tls(tiny_model_dir: Path, pki: Pki) -> None:
+    """Register runs on the scheduler's public port, so it is as protected as Generate: a
+    worker without the CA cannot register, one with the CA and a client certificate can."""
+    server = await _start_scheduler(
+        tiny_model_dir, "", ServerConfig(host="127.0.0.1", port=0, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca)),
+        TlsClientConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key),
+    )
+    common = ["--num-gpu-blocks", "64", "--scheduler", f"127.0.0.1:{server.port}"]
+    untrusting = start_worker(tiny_model_dir, *common, "--scheduler-tls-ca", pki.other_ca,
+                              "--scheduler-tls-cert", pki.client_cert, "--scheduler-tls-key", pki.client_key)
+    trusting = None
+    try:
+        await asyncio.sleep(4.0)
+        assert not server.engine.ready
+        trusting = start_worker(tiny_model_dir, *common, "--scheduler-tls-ca", pki.ca,
+                                "--scheduler-tls-cert", pki.client_cert, "--scheduler-tls-key", pki.client_key,
+                                "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca)
+        for _ in range(1200):
+            if server.engine.ready:
+                break
+            await asyncio.sleep(0.1)
+        assert [r.worker.address for r in server.engine.replicas] == [trusting.address]
+    finally:
+        await server.stop()
+        untrusting.stop()
+        if trusting is not None:
+            trusting.stop()
+
+
 def test_tls_configs_refuse_missing_files_and_lone_halves(pki: Pki, tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.pem")
     with pytest.raises(ValueError, match=f"TLS key '{missing}' is not a file"):
@@ -231,17 +260,20 @@ def test_cli_flags_build_the_configs(pki: Pki) -> None:
     assert _server_config(a) == ServerConfig(
         host="127.0.0.1", port=50051, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca), reflection=False
     )
-    assert _worker_tls_config(a) == TlsClientConfig(pki.ca, pki.client_cert, pki.client_key, "worker.internal")
+    assert _client_tls_config(a, "worker") == TlsClientConfig(pki.ca, pki.client_cert, pki.client_key, "worker.internal")
     plain = _parser().parse_args(["scheduler", "--worker", "10.0.0.2:50052"])
     assert _server_config(plain) == ServerConfig(host="127.0.0.1", port=50051)
-    assert _worker_tls_config(plain) is None
+    assert _client_tls_config(plain, "worker") is None
     for command in (["worker"], ["up"]):
         a = _parser().parse_args([*command, "--no-reflection", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key])
         assert _tls_config(a) == TlsConfig(pki.server_cert, pki.server_key) and a.no_reflection
     with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert and --tls-key"):
         _tls_config(_parser().parse_args(["worker", "--tls-client-ca", pki.ca]))
     with pytest.raises(ValueError, match="--worker-tls-cert and --worker-tls-key go together"):
-        _worker_tls_config(_parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]))
+        _client_tls_config(_parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]), "worker")
+    a = _parser().parse_args(["worker", "--scheduler", "s:1", "--scheduler-tls-ca", pki.ca, "--scheduler-tls-server-name", "s"])
+    assert _client_tls_config(a, "scheduler") == TlsClientConfig(ca=pki.ca, server_name="s")
+    assert _client_tls_config(_parser().parse_args(["worker"]), "scheduler") is None
 
 
 def test_tls_cert_without_key_is_refused_before_anything_starts(pki: Pki) -> None:

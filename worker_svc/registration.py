@@ -2,7 +2,7 @@
 
 The rank calls Registry.Register and holds the call open while it serves: that open call is
 its membership. If the scheduler restarts or the connection breaks, the rank registers
-again (with backoff); if the scheduler refuses it (another model), the worker exits with the
+again (with backoff); if the scheduler refuses it (another model or block size), the worker exits with the
 reason, since waiting would never help. Stopping the worker ends the call first, which is
 its departure: the scheduler stops sending it steps before the port closes.
 """
@@ -35,12 +35,14 @@ class Registrar:
     rank: int
     world_size: int
     model_name: str
+    block_size: int = 0
     tls: TlsClientConfig | None = None
 
     async def run(self) -> None:
         """Stay registered until cancelled; raises RegistrationRefused if the scheduler says no."""
         request = reg_pb.RegisterRequest(
-            address=self.address, group=self.group, rank=self.rank, world_size=self.world_size, model_name=self.model_name
+            address=self.address, group=self.group, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
+            block_size=self.block_size,
         )
         backoff = 0.5
         while True:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmserve/v1/registry.proto\x12\x0bllmserve.v1\"g\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nmodel_name\x18\x05 \x01(\t\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2R\n\x08Registry\x12\x46\n\x08Register\x12\x1c.llmserve.v1.RegisterRequest\x1a\x1a.llmserve.v1.RegisterReply0\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmserve/v1/registry.proto\x12\x0bllmserve.v1\"{\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2R\n\x08Registry\x12\x46\n\x08Register\x12\x1c.llmserve.v1.RegisterRequest\x1a\x1a.llmserve.v1.RegisterReply0\x01\x42*\n\x0eio.llmserve.v1P\x01Z\x16llmserve/v1;llmservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016io.llmserve.v1P\001Z\026llmserve/v1;llmservev1'
   _globals['_REGISTERREQUEST']._serialized_start=43
-  _globals['_REGISTERREQUEST']._serialized_end=146
-  _globals['_REGISTERREPLY']._serialized_start=148
-  _globals['_REGISTERREPLY']._serialized_end=198
-  _globals['_REGISTRY']._serialized_start=200
-  _globals['_REGISTRY']._serialized_end=282
+  _globals['_REGISTERREQUEST']._serialized_end=166
+  _globals['_REGISTERREPLY']._serialized_start=168
+  _globals['_REGISTERREPLY']._serialized_end=218
+  _globals['_REGISTRY']._serialized_start=220
+  _globals['_REGISTRY']._serialized_end=302
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,96 @@
+"""One worker group (data-parallel replica) and the scheduler that keeps its KV accounting.
+
+Each replica has its own block manager, queues and engine-loop task: worker groups do not
+share KV memory, so their blocks are accounted apart. The engine routes a new request to one
+replica (`router.Router`) and posts it to that replica's inbox; only the replica's own loop
+task touches its scheduler. When the worker group is lost, `evacuate` hands back every
+unfinished request, with its tokens, for another replica to compute again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from common.worker_info import WorkerInfo
+from scheduler_svc.engine_stats import EngineStats
+from scheduler_svc.load import GroupLoad
+from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.worker_client import WorkerLink
+
+# Inbox items: a group to add, or the stream of a request to abort.
+Inbox = list["SequenceGroup | RequestStream"]
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str  # the registered group name, or the --worker address
+    worker: WorkerLink
+    # False once a registered group deregistered (or was refused): its task ends.
+    attached: bool = True
+    scheduler: Scheduler | None = None  # set while the worker group is connected and serving
+    info: WorkerInfo | None = None
+    inbox: Inbox = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    stats: EngineStats = field(default_factory=EngineStats)
+    # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits).
+    reported: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and self.attached
+
+    @property
+    def block_bytes(self) -> int:
+        return self.info.block_bytes if self.info is not None else 0
+
+    def post(self, item: SequenceGroup | RequestStream) -> None:
+        self.inbox.append(item)
+        self.wake.set()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for admission here, those still in the inbox included."""
+        waiting = self.scheduler.num_waiting if self.scheduler is not None else 0
+        return waiting + sum(isinstance(i, SequenceGroup) for i in self.inbox)
+
+    def free_capacity(self) -> int:
+        """Free device blocks minus what the queued requests' tokens will take when admitted."""
+        sched = self.scheduler
+        if sched is None:
+            return 0
+        bm = sched.block_manager
+        queued = [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.waiting
+        demand = sum(bm.blocks_for(g.seqs[0].num_tokens) for g in queued)
+        return bm.num_free_blocks - demand
+
+    def evacuate(self) -> tuple[list[SequenceGroup], list[RequestStream]]:
+        """Everything this replica held: unfinished groups (in line order) and pending aborts."""
+        groups: list[SequenceGroup] = []
+        if self.scheduler is not None:
+            groups = self.scheduler.evacuate()
+        self.scheduler = None
+        inbox, self.inbox = self.inbox, []
+        posted = [i for i in inbox if isinstance(i, SequenceGroup)]
+        aborts = [i for i in inbox if isinstance(i, RequestStream)]
+        return sorted(groups + posted, key=lambda g: g.key), aborts
+
+    def load(self) -> GroupLoad | None:
+        sched = self.scheduler
+        if sched is None:
+            return None
+        bm = sched.block_manager
+        return GroupLoad(
+            name=self.name,
+            address=self.worker.address,
+            num_gpu_blocks=bm.num_blocks,
+            free_gpu_blocks=bm.num_free_blocks,
+            num_cpu_blocks=bm.cpu.num_blocks,
+            free_cpu_blocks=bm.cpu.num_free,
+            running=sched.num_running,
+            waiting=self.num_queued,
+            swapped=sched.num_swapped,
+        )

@@ -1,0 +1,113 @@
+"""What a step's result turns into outside the scheduler: stream messages, metrics, logs.
+
+Called by each worker group's loop after `Scheduler.update`; it holds no scheduling state,
+only the engine's map of live request streams (a finished request leaves it here).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.replica import Replica
+from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.scheduler import Scheduler, TokenEvent
+from scheduler_svc.worker_client import StepTiming
+
+log = structlog.get_logger(__name__)
+
+
+class StepReporter:
+    def __init__(self, metrics: SchedulerMetrics, streams: dict[str, RequestStream]) -> None:
+        self.metrics = metrics
+        self.streams = streams
+
+    def emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
+        touched: dict[str, RequestStream] = {}
+        now = time.monotonic()
+        for event in events:
+            stream = self.streams.get(event.seq.request_id)
+            if stream is None or stream.group is not event.seq.group:
+                continue
+            if event.token_id >= 0:
+                stream.on_token(event, scheduler)
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    self.metrics.ttft.observe(now - stream.arrival_time)
+                elif stream.last_token_time is not None and stream.last_token_time < now:
+                    self.metrics.itl.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+            touched[stream.request_id] = stream
+        # Only after every event of the step: a stop string on one sample can end the group
+        # while a sibling's last token of the same step is still to be sent.
+        for stream in touched.values():
+            if stream.group.is_finished:
+                self._close(stream)
+
+    def _close(self, stream: RequestStream) -> None:
+        stream.finish()
+        del self.streams[stream.request_id]
+        self.metrics.e2e.observe(time.monotonic() - stream.arrival_time)
+        stats = stream.stats()
+        log.info(
+            "request_finished",
+            request_id=stream.request_id,
+            finish_reasons=[s.finish_reason.value for s in stream.group.seqs if s.finish_reason],
+            prompt_tokens=stream.group.seqs[0].num_prompt_tokens,
+            completion_tokens=stream.num_output_tokens,
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            preemptions=stats.num_preemptions,
+            swaps=stats.num_swaps,
+            swapped_bytes=stats.swapped_bytes,
+        )
+
+    def observe_admissions(self, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        for group in scheduler.admitted:
+            stream = self.streams.get(group.request_id)
+            if stream is not None and stream.group is group and not stream.scheduled:
+                stream.scheduled = True
+                self.metrics.queue_time.observe(now - stream.arrival_time)
+
+    def publish_gauges(self, replica: Replica, serving: list[Replica]) -> None:
+        """This group's gauges, and the service-wide ones summed over every serving group."""
+        m = self.metrics
+        load = replica.load()
+        if load is not None:
+            m.group(replica.name).set(load)
+        loads = [g for g in (r.load() for r in serving) if g is not None]
+        m.running.set(sum(g.running for g in loads))
+        m.waiting.set(sum(g.waiting for g in loads))
+        m.swapped.set(sum(g.swapped for g in loads))
+        blocks, cpu_blocks = sum(g.num_gpu_blocks for g in loads), sum(g.num_cpu_blocks for g in loads)
+        m.kv_usage.set(1 - sum(g.free_gpu_blocks for g in loads) / blocks if blocks else 0.0)
+        m.cpu_usage.set(1 - sum(g.free_cpu_blocks for g in loads) / cpu_blocks if cpu_blocks else 0.0)
+
+    def record(self, replica: Replica, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
+        m = self.metrics
+        m.plan_bytes.observe(timing.plan_bytes)
+        m.roundtrip.observe(timing.roundtrip_seconds)
+        m.generation_tokens.inc(num_sampled)
+        sched = replica.scheduler
+        if sched is not None:
+            # The scheduler keeps plain counters (it is pure); publish what moved since last step.
+            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens)
+            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits), now, replica.reported):
+                if new > old:
+                    counter.inc(new - old)
+            replica.reported = now
+        log.debug(
+            "step",
+            step_id=step_id,
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            plan_bytes=timing.plan_bytes,
+            roundtrip_ms=round(timing.roundtrip_seconds * 1e3, 3),
+            execute_ms=round(timing.execute_seconds * 1e3, 3),
+        )
+        replica.stats.add(num_tokens, num_sampled, timing)
+        if replica.stats.due() and sched is not None:
+            log.info("engine_stats", group=replica.name, **replica.stats.summary(sched))
+            replica.stats.reset()
