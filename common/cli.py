@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_worker_tls_flags(sched)
     sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
+    sched.add_argument(
+        "--worker-health-interval", type=float, default=5.0,
+        help="seconds between gRPC health checks of each connected worker; 3 failures in a row and it counts as lost "
+        "(default 5; 0 = off)",
+    )
 
     worker = sub.add_parser("worker", help="run one worker service alone")
     _add_model_flags(worker)
@@ -327,6 +332,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
             _scheduler_config(a),
             step_timeout=a.step_timeout,
             worker_tls=worker_tls,
+            health_interval=a.worker_health_interval,
         )
         await _serve(server, stop)
 

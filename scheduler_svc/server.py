@@ -41,6 +41,7 @@ class SchedulerServer:
         scheduler_config: SchedulerConfig,
         step_timeout: float = 600.0,
         worker_tls: TlsClientConfig | None = None,
+        health_interval: float = 5.0,
     ) -> None:
         self.server_config = server_config
         spec = ModelSpec.from_dir(model_dir)
@@ -51,11 +52,11 @@ class SchedulerServer:
             Tokenizer(model_dir),
             scheduler_config,
             # Each address is one worker group (a tensor-parallel one: its ranks, comma-separated).
-            [_worker(a, step_timeout, worker_tls) for a in ([worker_address] if isinstance(worker_address, str) else worker_address) if a],
+            [_worker(a, step_timeout, worker_tls, health_interval) for a in ([worker_address] if isinstance(worker_address, str) else worker_address) if a],
             metrics=self.metrics,
             on_ready=self._on_ready,
             chat_template=ChatTemplate.from_dir(model_dir),
-            worker_factory=lambda addresses: _worker(",".join(addresses), step_timeout, worker_tls),
+            worker_factory=lambda addresses: _worker(",".join(addresses), step_timeout, worker_tls, health_interval),
         )
         self.registry = Registry(
             spec.name, self.engine.attach_group, self.engine.detach_group, block_size=lambda: self.engine.block_size
@@ -103,9 +104,9 @@ class SchedulerServer:
         log.info("scheduler_stopped")
 
 
-def _worker(address: str, step_timeout: float, tls: TlsClientConfig | None) -> WorkerClient | WorkerGroup:
+def _worker(address: str, step_timeout: float, tls: TlsClientConfig | None, health_interval: float) -> WorkerClient | WorkerGroup:
     """One worker, or the ranks of a tensor-parallel group given as a comma-separated list."""
     addresses = [a.strip() for a in address.split(",") if a.strip()]
     if len(addresses) > 1:
-        return WorkerGroup(addresses, step_timeout=step_timeout, tls=tls)
-    return WorkerClient(address, step_timeout=step_timeout, tls=tls)
+        return WorkerGroup(addresses, step_timeout, tls, health_interval)
+    return WorkerClient(address, step_timeout, tls, health_interval)

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from grpc_health.v1 import health_pb2
+
 from common.arrays import pack, unpack
 from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import registry_pb2 as reg_pb
@@ -214,3 +216,11 @@ def registration(msg: reg_pb.RegisterRequest) -> Registration:
 
 def register_reply(accepted: bool, message: str) -> reg_pb.RegisterReply:
     return reg_pb.RegisterReply(accepted=accepted, message=message)
+
+
+def health_check_request() -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service="")
+
+
+def is_serving(reply: health_pb2.HealthCheckResponse) -> bool:
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import structlog
+from grpc_health.v1 import health_pb2_grpc
 
 from common.config import TlsClientConfig
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
@@ -15,6 +17,11 @@ from common.plan import StepPlan, StepResult
 from common.tls import open_channel
 from common.worker_info import WorkerInfo
 from scheduler_svc import wire
+
+log = structlog.get_logger(__name__)
+
+# Consecutive failed health checks after which a connected worker counts as lost.
+HEALTH_FAILURES = 3
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -44,9 +51,16 @@ class StepTiming:
 
 
 class WorkerClient:
-    def __init__(self, address: str, step_timeout: float = 600.0, tls: TlsClientConfig | None = None) -> None:
+    def __init__(
+        self, address: str, step_timeout: float = 600.0, tls: TlsClientConfig | None = None, health_interval: float = 5.0
+    ) -> None:
         self.address = address
         self.step_timeout = step_timeout
+        # While connected, the worker's gRPC health is checked this often (0 = never): a frozen
+        # or wedged worker is then given up within a few intervals, not after the step timeout.
+        self.health_interval = health_interval
+        self._watcher: asyncio.Task[None] | None = None
+        self._lost_reason = ""
         # None: plaintext, as over the private unix socket `llmserve up` uses.
         self.tls = tls
         self._channel: grpc.aio.Channel | None = None
@@ -63,7 +77,28 @@ class WorkerClient:
             await self.close()
             raise WorkerLost(f"worker {self.address} did not answer: {error.code().name} {error.details()}") from error
         self._call = stub.Execute()
+        self._lost_reason = ""
+        if self.health_interval > 0:
+            self._watcher = asyncio.create_task(self._watch(self._channel), name=f"health:{self.address}")
         return wire.worker_info(info)
+
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        failures = 0
+        while failures < HEALTH_FAILURES:
+            await asyncio.sleep(self.health_interval)
+            try:
+                reply = await stub.Check(wire.health_check_request(), timeout=max(self.health_interval, 1.0))
+                serving = wire.is_serving(reply)
+            except grpc.aio.AioRpcError:
+                serving = False
+            failures = 0 if serving else failures + 1
+        self._lost_reason = f"worker {self.address} failed {failures} health checks in a row"
+        log.error("worker_unhealthy", address=self.address, failures=failures)
+        # Cancelling the step stream ends a step in flight (WorkerLost) and refuses the next.
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         return await self.send(plan, wire.step_plan(plan))
@@ -71,7 +106,7 @@ class WorkerClient:
     async def send(self, plan: StepPlan, msg: worker_pb2.StepPlan) -> tuple[StepResult, StepTiming]:
         """Execute `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
         if self._call is None:
-            raise WorkerLost(f"worker {self.address} is not connected")
+            raise WorkerLost(self._lost_reason or f"worker {self.address} is not connected")
         call = self._call
         size = msg.ByteSize()
         start = time.perf_counter()
@@ -82,7 +117,7 @@ class WorkerClient:
             # close() during the step (the group deregistered) cancels the call, which surfaces
             # here as a cancellation; only a cancelled task should see one.
             if call is not self._call:
-                raise WorkerLost(f"worker {self.address} was closed during step {plan.step_id}") from None
+                raise WorkerLost(self._lost_reason or f"worker {self.address} was closed during step {plan.step_id}") from None
             raise
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
             raise WorkerLost(f"worker {self.address} failed step {plan.step_id}: {error}") from error
@@ -100,6 +135,9 @@ class WorkerClient:
         return result, StepTiming(size, roundtrip, result.execute_seconds)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         if self._call is not None:
             self._call.cancel()
             self._call = None

@@ -23,10 +23,13 @@ from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
 
 
 class WorkerGroup:
-    def __init__(self, addresses: list[str], step_timeout: float = 600.0, tls: TlsClientConfig | None = None) -> None:
+    def __init__(
+        self, addresses: list[str], step_timeout: float = 600.0, tls: TlsClientConfig | None = None, health_interval: float = 5.0
+    ) -> None:
         if not addresses:
             raise ValueError("a worker group needs at least one rank address")
-        self.ranks = [WorkerClient(a, step_timeout=step_timeout, tls=tls) for a in addresses]
+        # Each rank watches its own health; one that fails ends the group's step like a crash.
+        self.ranks = [WorkerClient(a, step_timeout, tls, health_interval) for a in addresses]
         self.address = ",".join(addresses)
 
     async def connect(self, timeout: float) -> WorkerInfo:

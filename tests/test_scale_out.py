@@ -131,6 +131,35 @@ async def test_a_worker_stopped_with_sigterm_hands_its_requests_over_before_it_e
     await s.wait_idle()
 
 
+async def test_a_frozen_worker_fails_its_health_checks_and_its_requests_move(tiny_model_dir: Path) -> None:
+    """SIGSTOP: the process neither dies nor closes its streams; only health checks notice."""
+    from common.config import SchedulerConfig, ServerConfig
+    from common.pb.llmserve.v1 import generation_pb2_grpc
+    from scheduler_svc.server import SchedulerServer
+
+    server = SchedulerServer(str(tiny_model_dir), "", ServerConfig(port=0), SchedulerConfig(), health_interval=0.5)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    s = Scheduler(server, channel, generation_pb2_grpc.GenerationStub(channel), port)
+    workers = [start_worker(tiny_model_dir, port) for _ in range(2)]
+    try:
+        await until(lambda: len(s.engine.replicas) == 2, timeout=120)
+        reqs = requests(max_tokens=64)
+        undisturbed = [g.token_ids for g in await asyncio.gather(*(collect(s.stub, r) for r in reqs))]
+        tasks = [asyncio.create_task(collect(s.stub, r)) for r in reqs]
+        await mid_generation(s, workers[0])
+        frozen = time.monotonic()
+        workers[0].proc.send_signal(signal.SIGSTOP)
+        disturbed = [g.token_ids for g in await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)]
+        assert disturbed == undisturbed
+        assert recovered(s) >= 1
+        assert time.monotonic() - frozen < 20  # three 0.5 s checks (each may wait 1 s), not the step timeout
+        await s.wait_idle()
+    finally:
+        await stop_scheduler(s)
+        kill(workers)
+
+
 async def test_with_every_worker_gone_requests_end_within_seconds_and_serving_resumes(
     tiny_model_dir: Path,
 ) -> None:
