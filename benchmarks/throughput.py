@@ -172,16 +172,17 @@ class _Timing:
 class _Server:
     """`llmserve up` in its own process group, so nothing it starts can outlive the benchmark."""
 
-    def __init__(self, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
         self.log_path = log_path
+        self.env = env  # None: this process's environment
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
-                self.cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
             )
         log.info("server_started", pid=self.proc.pid, log=str(self.log_path))
 
