@@ -84,6 +84,8 @@ class Engine:
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._on_ready = on_ready
         self._ready_reported: bool | None = None
+        # Several group loops report readiness; one at a time, so health's two entries agree.
+        self._ready_lock = asyncio.Lock()
         self._connect_timeout = connect_timeout
         self.limits = Limits.of(spec, config)
         self._streams: dict[str, RequestStream] = {}
@@ -92,6 +94,7 @@ class Engine:
         # One id space for every group's scheduler, so a request can move between them.
         self._seq_ids = itertools.count()
         self._draining = False
+        self._stopping = False
 
     @property
     def replicas(self) -> list[Replica]:
@@ -126,6 +129,14 @@ class Engine:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        # Registration answers until the server stops, which is after this: a group completing
+        # from now on must not start a loop that nothing would stop.
+        self._stopping = True
+        # Requests end first, as shut down: the loops' teardown below would otherwise fail them
+        # as lost workers (ABORTED once they streamed tokens).
+        for stream in self._streams.values():
+            stream.fail(Unavailable("the server is shutting down"))
+        self._streams.clear()
         replicas = list(self._replicas.values())
         for replica in replicas:
             replica.attached = False
@@ -137,14 +148,18 @@ class Engine:
                     await replica.task
                 except asyncio.CancelledError:
                     pass
-        self._fail_all(lambda _: Unavailable("the server is shutting down"))
         for replica in replicas:
             await replica.worker.close()
         self._replicas.clear()
 
     def attach_group(self, name: str, addresses: list[str]) -> None:
         """A registered group has all its ranks: connect to it and serve with it."""
-        if self._worker_factory is None or self._static or name in self._replicas:
+        if self._worker_factory is None or self._static or self._stopping:
+            return
+        current = self._replicas.get(name)
+        # A group that deregistered may still be tearing down under this name: the new
+        # registration replaces it (its teardown leaves a newer replica of the name alone).
+        if current is not None and current.attached:
             return
         self._add_replica(name, self._worker_factory(addresses))
 
@@ -168,7 +183,19 @@ class Engine:
         """Connect to the group and serve with it until it is lost; a --worker one is retried."""
         try:
             while replica.attached:
-                await self._serve(replica)
+                try:
+                    await self._serve(replica)
+                except Exception:  # noqa: BLE001
+                    # A bug (or a malformed worker) must neither end this task silently nor leave
+                    # requests waiting on a dead loop: fail the group's requests (its state is
+                    # suspect, so they are not moved), then start it over.
+                    log.exception("engine_failed", group=replica.name)
+                    groups, aborts = replica.evacuate()
+                    self._drop_aborted(aborts)
+                    for group in groups:
+                        self._fail_stream(group, "internal engine failure (see server logs)")
+                await replica.worker.close()
+                await self._refresh_ready()
                 if replica.attached:
                     await asyncio.sleep(1.0)
         finally:
@@ -230,16 +257,6 @@ class Engine:
         except WorkerLost as error:
             log.error("worker_lost", group=replica.name, address=worker.address, reason=str(error))
             self._recover(replica)
-        except Exception:  # noqa: BLE001
-            # A bug must not leave requests waiting forever on a dead loop: fail this group's
-            # requests (its state is suspect, so they are not moved), then start it over.
-            log.exception("engine_failed", group=replica.name)
-            groups, aborts = replica.evacuate()
-            self._drop_aborted(aborts)
-            for group in groups:
-                self._fail_stream(group, "internal engine failure (see server logs)")
-        await worker.close()
-        await self._refresh_ready()
 
     def _recover(self, lost: Replica) -> None:
         """Move the lost group's requests, with their tokens, to the other groups' queues.
@@ -262,7 +279,7 @@ class Engine:
                 self._fail_stream(group, "the worker was lost")
                 failed += 1
                 continue
-            stream.replica = target.name
+            stream.replica = target
             target.post(group)
             moved += 1
         self.metrics.recovered.inc(moved)
@@ -270,17 +287,24 @@ class Engine:
             log.warning("requests_recovered", group=lost.name, moved=moved, failed=failed, to=[t.name for t in targets])
 
     def _fits(self, replica: Replica, group: SequenceGroup) -> bool:
+        """Whether `replica` can finish the moved group as its own group would have."""
         sched = replica.scheduler
         assert sched is not None
-        seq = group.seqs[0]
-        return sched.can_ever_fit(seq.num_prompt_tokens, seq.token_limit or sched.max_model_len, group.width)
+        seq, context = group.seqs[0], sched.max_model_len
+        total = seq.num_prompt_tokens + seq.stopping.max_tokens if seq.stopping.max_tokens else context
+        # Groups may have shorter contexts than the lost one: a request must not be cut short
+        # there, nor its tokens so far fed past the end (the worker refuses such a step).
+        if total > context or any(s.num_tokens >= context for s in group.live()):
+            return False
+        return sched.can_ever_fit(seq.num_prompt_tokens, total, group.width)
 
     def _fail_stream(self, group: SequenceGroup, what: str) -> None:
         """End a request that lost its worker: ABORTED if it streamed tokens, else UNAVAILABLE."""
         stream = self._streams.pop(group.request_id, None)
         if stream is None:
             return
-        n = stream.num_output_tokens
+        # best_of > n and beams send nothing before the end: their client may simply retry.
+        n = stream.num_output_tokens if group.streams else 0
         stream.fail(Aborted(f"{what} after {n} tokens were streamed") if n else Unavailable(f"{what}; retry the request"))
 
     def _drop_aborted(self, aborts: list[RequestStream]) -> None:
@@ -301,9 +325,13 @@ class Engine:
                 gauge.set(0)
         for name in self.metrics.group_names() - {r.name for r in ready}:
             self.metrics.remove_group(name)
-        if self._on_ready is not None and self._ready_reported != bool(ready):
-            self._ready_reported = bool(ready)
-            await self._on_ready(bool(ready))
+        if self._on_ready is None:
+            return
+        async with self._ready_lock:
+            serving = self.ready  # again: another loop may have changed it while this one waited
+            if self._ready_reported != serving:
+                self._ready_reported = serving
+                await self._on_ready(serving)
 
     def _incompatibility(self, info: WorkerInfo) -> str | None:
         if info.model_name != self.spec.name:
@@ -315,15 +343,6 @@ class Engine:
         if self.block_size and info.block_size != self.block_size:
             return f"worker uses KV blocks of {info.block_size} tokens, this scheduler {self.block_size}; start it with --block-size {self.block_size}"
         return None
-
-    def _fail_all(self, error_for: Callable[[RequestStream], Exception]) -> None:
-        for stream in self._streams.values():
-            stream.fail(error_for(stream))
-        self._streams.clear()
-        for replica in self._replicas.values():
-            replica.inbox.clear()
-            if replica.scheduler is not None:
-                replica.scheduler.abort_all()
 
     # ---- requests ----
 
@@ -393,7 +412,7 @@ class Engine:
             arrival=arrival,
         )
         group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
-        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target.name)
+        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target)
         self._streams[request_id] = stream
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
@@ -458,10 +477,11 @@ class Engine:
         """Abort a request (client cancel or deadline); its blocks are freed at the next step.
 
         The stream object, not the request id, names the request: a late abort must not hit a
-        newer request that reuses the id. It goes to the group the request is on now.
+        newer request that reuses the id. It goes to the group the request is on now, not to a
+        newer group registered under the same name while that one tears down.
         """
-        replica = self._replicas.get(stream.replica)
-        if replica is not None:
+        replica = stream.replica
+        if replica is not None and self._replicas.get(replica.name) is replica:
             replica.post(stream)
         elif self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
@@ -470,15 +490,20 @@ class Engine:
 
     def _apply_inbox(self, replica: Replica, scheduler: Scheduler) -> None:
         inbox, replica.inbox = replica.inbox, []
-        for item in inbox:
-            if isinstance(item, SequenceGroup):
-                stream = self._streams.get(item.request_id)
-                if stream is not None and stream.group is item:
-                    scheduler.add(item)
-            elif self._streams.get(item.request_id) is item:
-                del self._streams[item.request_id]
-                scheduler.abort(item.group.group_id)
-                log.info("request_aborted", request_id=item.request_id, completion_tokens=item.num_output_tokens)
+        for i, item in enumerate(inbox):
+            try:
+                if isinstance(item, SequenceGroup):
+                    stream = self._streams.get(item.request_id)
+                    if stream is not None and stream.group is item:
+                        scheduler.add(item)
+                elif self._streams.get(item.request_id) is item:
+                    del self._streams[item.request_id]
+                    scheduler.abort(item.group.group_id)
+                    log.info("request_aborted", request_id=item.request_id, completion_tokens=item.num_output_tokens)
+            except Exception:
+                # What was not applied stays queued, so the failure path ends those requests too.
+                replica.inbox[:0] = inbox[i:]
+                raise
 
     async def _loop(self, replica: Replica, scheduler: Scheduler) -> None:
         while True:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.request import RequestOutput, RequestStats, TokenLogprob
 from scheduler_svc.scheduler import Scheduler, TokenEvent
@@ -20,13 +21,16 @@ from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.text_stream import TextStream
 from scheduler_svc.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from scheduler_svc.replica import Replica
+
 
 @dataclass(eq=False)
 class RequestStream:
     group: SequenceGroup
     tokenizer: Tokenizer
     block_bytes: int
-    replica: str = ""  # name of the worker group the request is on (it moves on recovery)
+    replica: Replica | None = None  # the worker group the request is on (it moves on recovery)
     queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
     aborted: bool = False  # by an Abort call: its blocks go at the next step
     # Latency bookkeeping for the metrics (monotonic seconds).

@@ -102,9 +102,15 @@ class Scheduler:
         return next(self._ids)
 
     def blocks_for_group(self, num_prompt_tokens: int, max_total_tokens: int, width: int) -> int:
-        """Blocks a group needs at its largest: the prompt once, every sequence's own tail."""
+        """Blocks a group needs at its largest: the prompt once, every sequence's own tail.
+
+        The block holding the last prompt token counts as each sequence's own: samples fork
+        before that token and each writes it, and a recomputed group (preempted, or moved from
+        a lost worker group) shares only the blocks before it (`shared_prompt_blocks`). Counting
+        it shared would admit a group its own admission check could never take back.
+        """
         bm = self.block_manager
-        shared = num_prompt_tokens // bm.block_size
+        shared = (num_prompt_tokens - 1) // bm.block_size
         return shared + width * (bm.blocks_for(max_total_tokens) - shared)
 
     def can_ever_fit(self, num_prompt_tokens: int, max_total_tokens: int, width: int = 1) -> bool:

@@ -56,7 +56,15 @@ class WorkerGroup:
         tasks = [asyncio.ensure_future(r.send(plan, msg)) for r in self.ranks]
         # The first failure decides: the other ranks are blocked in a collective with the dead
         # one and would answer only when the distributed timeout fails them too.
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            # The engine is stopping: end the rank sends here rather than leave them to fail
+            # unobserved when the channels close.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         for i, task in enumerate(tasks):
             if task.done() and task.exception() is not None:
                 for other in tasks:

@@ -9,12 +9,14 @@ scripted fake worker of test_engine; real worker processes are in test_scale_out
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+from collections.abc import Callable
 
 import pytest
 
 from common.config import SchedulerConfig
-from common.errors import Aborted, Unavailable
+from common.errors import Aborted, Cancelled, Unavailable
 from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
@@ -30,6 +32,7 @@ from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import StepTiming, WorkerLost
 from tests.test_engine import FakeWorker, spec, tokenizer  # noqa: F401 (fixtures)
 from tests.test_scheduler import EOS, expected_output, fake_execute
+from tests.test_scheduler_memory import fake_execute as memory_fake_execute
 
 # ---- Scheduler.evacuate ----
 
@@ -93,6 +96,33 @@ def test_evacuated_groups_finish_elsewhere_with_the_tokens_they_would_have_had()
                 assert s.token_ids == kept  # a finished sample is not revived
             else:
                 assert s.output_token_ids == expected_output(s.num_prompt_tokens, 12), s.seq_id
+
+
+@pytest.mark.parametrize("prompt_len", [7, 8])
+@pytest.mark.parametrize("shape", [{"n": 2, "best_of": 2, "temperature": 1.0, "seed": 5}, {"beam_width": 2}])
+def test_a_group_admitted_as_fitting_finishes_on_a_pool_of_just_that_size(prompt_len: int, shape: dict[str, object]) -> None:
+    # Moved halfway, it is recomputed: its sequences then share only the prompt blocks before
+    # the last prompt token. Both runs must fit the pool can_ever_fit promised.
+    ids = itertools.count()
+    need = scheduler(ids).blocks_for_group(prompt_len, prompt_len + 12, 2)
+    lost, other = scheduler(ids, num_blocks=need), scheduler(ids, num_blocks=need)
+    params = SamplingParams(**shape)  # type: ignore[arg-type]
+    seq = Sequence(next(ids), "r", list(range(10, 10 + prompt_len)), params, StoppingParams(max_tokens=12, ignore_eos=True), 0)
+    moving = SequenceGroup("r", [seq], params, 0)
+    lost.add(moving)
+    for _ in range(8):
+        plan = lost.schedule()
+        assert plan is not None, "stuck in its first group"
+        lost.update(plan, memory_fake_execute(plan))
+    for g in lost.evacuate():
+        other.add(g)
+    for _ in range(100):
+        if (plan := other.schedule()) is None:
+            break
+        other.update(plan, memory_fake_execute(plan))
+    assert not other.has_work and moving.is_finished, "stuck in the group it moved to"
+    if moving.beam is None:
+        assert [s.num_output_tokens for s in moving.seqs] == [12, 12]
 
 
 # ---- Router ----
@@ -207,5 +237,232 @@ async def test_with_every_group_lost_requests_fail_by_what_they_streamed(
         with pytest.raises(Unavailable, match="no ready worker"):
             await generate(engine, 9, 4)
         assert not engine.ready and not engine._streams  # noqa: SLF001
+    finally:
+        await engine.stop()
+
+
+class ShortContextWorker(LosingWorker):
+    """A group whose model has a shorter context; like a real worker, it refuses a plan past it."""
+
+    def __init__(self, spec: ModelSpec, script: list[int], address: str, max_model_len: int, num_blocks: int) -> None:
+        super().__init__(spec, script, address)
+        self.max_model_len, self.num_blocks = max_model_len, num_blocks
+        self.refused = 0
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        info = await super().connect(timeout)
+        return dataclasses.replace(info, max_model_len=self.max_model_len, num_gpu_blocks=self.num_blocks)
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        if int((plan.context_lens + plan.query_lens).max()) > self.max_model_len:
+            self.refused += 1
+            raise WorkerLost(f"{self.address}: positions outside the model's context of {self.max_model_len}")
+        return await super().execute(plan)
+
+
+async def test_a_request_past_another_groups_context_is_not_moved_there(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    # Without max_tokens a request runs to the end of its group's context; `a`'s is 512 tokens.
+    # Lost after 69 tokens, it cannot go on in `b`'s 64: it fails, and `b` is not fed past it.
+    script = list(range(300, 340))
+    a = LosingWorker(spec, script, "a", lose_at_step=70)
+    b = ShortContextWorker(spec, script, "b", max_model_len=64, num_blocks=64)
+    engine = await two_groups(spec, tokenizer, a, b)
+    try:
+        req = GenerationRequest(request_id="long", prompt_token_ids=(5, 6, 7), ignore_eos=True)
+        with pytest.raises(Aborted, match="after 69 tokens"):
+            [o async for o in engine.generate(req)]
+        assert b.refused == 0 and [r.name for r in engine.replicas] == ["b"]
+        assert len(await generate(engine, 1, 8)) == 8
+    finally:
+        await engine.stop()
+
+
+async def test_stop_ends_requests_in_flight_as_shutting_down_not_as_lost(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    script = list(range(300, 340))
+    a, b = LosingWorker(spec, script, "a"), LosingWorker(spec, script, "b")
+    a.delay = b.delay = 0.01
+    engine = await two_groups(spec, tokenizer, a, b)
+    tasks = [asyncio.create_task(generate(engine, i, 30)) for i in range(4)]
+    await until(lambda: a.steps > 3 and b.steps > 3)
+    await engine.stop()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    # Tokens were streamed, yet no worker was lost: the server is going away, retry elsewhere.
+    assert all(isinstance(r, Unavailable) and "shutting down" in str(r) for r in results), results
+
+
+class SlowStartWorker(LosingWorker):
+    connect_delay = 0.0  # seconds the worker takes to answer the handshake
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        await asyncio.sleep(self.connect_delay)
+        return await super().connect(timeout)
+
+
+def registry_engine(
+    spec: ModelSpec, tokenizer: Tokenizer, workers: dict[str, LosingWorker], connect_delay: dict[str, float] | None = None
+) -> Engine:
+    """Registered groups: each address names a fake worker, made when its group completes."""
+
+    def factory(addresses: list[str]) -> LosingWorker:
+        worker = workers[addresses[0]] = SlowStartWorker(spec, list(range(300, 340)), addresses[0])
+        worker.delay = 0.01
+        worker.connect_delay = (connect_delay or {}).get(addresses[0], 0.0)
+        return worker
+
+    return Engine(spec, tokenizer, SchedulerConfig(), None, worker_factory=factory)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_group_that_registers_again_while_its_old_link_tears_down_serves_again(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    workers: dict[str, LosingWorker] = {}
+    engine = registry_engine(spec, tokenizer, workers)
+    engine.start()
+    try:
+        engine.attach_group("g", ["g-1"])
+        await until(lambda: engine.ready)
+        in_flight = asyncio.create_task(generate(engine, 0, 30))
+        await until(lambda: workers["g-1"].steps > 2)
+        # Its worker restarted and registered again before the old link's step came back.
+        engine.detach_group("g")
+        engine.attach_group("g", ["g-2"])
+        # The new link is up before the old one's step returns: the request moves over to it.
+        assert await in_flight == list(range(300, 330))
+        assert [r.worker for r in engine.replicas] == [workers["g-2"]]
+        assert await generate(engine, 1, 4) == list(range(300, 304))
+    finally:
+        await engine.stop()
+
+
+async def test_an_abort_while_a_group_is_replaced_ends_the_request_it_names(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    workers: dict[str, LosingWorker] = {}
+    # The new g connects only after the old one's step returned and its requests moved to h.
+    engine = registry_engine(spec, tokenizer, workers, connect_delay={"g-2": 0.1})
+    engine.start()
+    try:
+        engine.attach_group("g", ["g-1"])
+        engine.attach_group("h", ["h-1"])
+        await until(lambda: len(engine.replicas) == 2)
+        in_flight = asyncio.create_task(generate(engine, 0, 30))  # on g: ties go to the first
+        await until(lambda: workers["g-1"].steps > 2)
+        group = engine._streams["q0"].group  # noqa: SLF001
+        engine.detach_group("g")
+        engine.attach_group("g", ["g-2"])
+        # The request is still on the old g, which has not torn down yet.
+        assert engine.abort_requests(["q0"]) == ["q0"]
+        then = group.seqs[0].num_output_tokens
+        with pytest.raises(Cancelled):
+            await in_flight
+        await until(lambda: len(engine.replicas) == 2)
+        await asyncio.sleep(0.1)  # 10 steps of h, had the request moved there
+        assert group.seqs[0].num_output_tokens <= then + 1
+        assert all(r.scheduler is not None and not r.scheduler.has_work for r in engine.replicas)
+    finally:
+        await engine.stop()
+
+
+async def test_a_group_that_completes_its_registration_after_stop_is_not_served(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    # The Register service answers until the server stops, which is after the engine stopped.
+    workers: dict[str, LosingWorker] = {}
+    engine = registry_engine(spec, tokenizer, workers)
+    engine.start()
+    engine.attach_group("g", ["g-1"])
+    await until(lambda: engine.ready)
+    await engine.stop()
+    engine.attach_group("h", ["h-1"])
+    assert "h-1" not in workers and not engine._replicas  # noqa: SLF001
+
+
+class ScoringWorker(LosingWorker):
+    """Also scores alternatives (beam search needs them), as test_scheduler_memory's fake does."""
+
+    async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        _, timing = await super().execute(plan)
+        return memory_fake_execute(plan), timing
+
+
+@pytest.mark.parametrize("shape", [{"n": 1, "best_of": 2, "temperature": 1.0, "seed": 3}, {"beam_width": 2}])
+async def test_a_request_that_streamed_nothing_yet_fails_unavailable_even_with_tokens_made(
+    spec: ModelSpec, tokenizer: Tokenizer, shape: dict[str, object]  # noqa: F811
+) -> None:
+    # best_of > n and beams send their outputs only at the end: the client saw nothing and may
+    # retry, however many tokens the lost groups had made.
+    script = list(range(300, 340))
+    a, b = ScoringWorker(spec, script, "a", lose_at_step=6), ScoringWorker(spec, script, "b", lose_at_step=6)
+    engine = await two_groups(spec, tokenizer, a, b)
+    try:
+        req = GenerationRequest(request_id="r", prompt_token_ids=(5, 6, 7), max_tokens=20, ignore_eos=True, **shape)  # type: ignore[arg-type]
+        with pytest.raises(Unavailable, match="retry"):
+            [o async for o in engine.generate(req)]
+        assert a.gone and b.gone
+    finally:
+        await engine.stop()
+
+
+class BrokenHandshakeWorker(LosingWorker):
+    """Its first handshake fails with something other than WorkerLost (a malformed reply)."""
+
+    failed = False
+
+    async def connect(self, timeout: float) -> WorkerInfo:
+        if not self.failed:
+            self.failed = True
+            raise ValueError("a malformed Describe reply")
+        return await FakeWorker.connect(self, timeout)
+
+
+async def test_an_unexpected_failure_outside_a_step_is_logged_and_the_group_retried(
+    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+) -> None:
+    worker = BrokenHandshakeWorker(spec, list(range(300, 340)), "a")
+    engine = Engine(spec, tokenizer, SchedulerConfig(), [worker])  # type: ignore[list-item]
+    engine.start()
+    try:
+        await until(lambda: engine.ready)
+        assert worker.failed and worker.connects == 1
+        assert await generate(engine, 0, 5) == list(range(300, 305))
+    finally:
+        await engine.stop()
+
+
+async def test_requests_still_in_the_inbox_when_the_loop_fails_end_with_an_error(
+    spec: ModelSpec, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    engine = Engine(spec, tokenizer, SchedulerConfig(), [LosingWorker(spec, list(range(300, 340)), "a")])  # type: ignore[list-item]
+    engine.start()
+    try:
+        await until(lambda: engine.ready)
+        original = Scheduler.add
+        calls = {"n": 0}
+
+        def add_failing_once(self: Scheduler, group: SequenceGroup) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("a bug while adding")
+            original(self, group)
+
+        monkeypatch.setattr(Scheduler, "add", add_failing_once)
+        # Posted together, so one inbox holds all three when the second add fails.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(generate(engine, i, 4) for i in range(3)), return_exceptions=True), timeout=5
+        )
+        assert all(isinstance(r, Unavailable) and "internal engine failure" in str(r) for r in results), results
+        monkeypatch.setattr(Scheduler, "add", original)
+        await until(lambda: engine.ready)
+        assert await generate(engine, 9, 3) == [300, 301, 302]
     finally:
         await engine.stop()

@@ -249,6 +249,8 @@ def test_can_ever_fit() -> None:
     s = make_scheduler(num_blocks=4, block_size=4)
     assert s.can_ever_fit(4, 16)
     assert not s.can_ever_fit(4, 17)
-    # Two samples of an 8-token prompt share its 2 full blocks; each needs 1 more of its own.
-    assert s.can_ever_fit(8, 12, width=2)
-    assert not s.can_ever_fit(8, 12, width=3)
+    # Two samples of an 8-token prompt share its first block only: each writes the last prompt
+    # token (block 1) after the fork, then its own block 2.
+    assert not s.can_ever_fit(8, 12, width=2)
+    assert make_scheduler(num_blocks=5, block_size=4).can_ever_fit(8, 12, width=2)
+    assert s.can_ever_fit(9, 12, width=2)  # blocks 0 and 1 shared, block 2 each
