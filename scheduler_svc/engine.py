@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from common.config import SchedulerConfig
-from common.errors import Aborted, Cancelled, InvalidArgument, ResourceExhausted, Unavailable
+from common.errors import Aborted, Cancelled, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
@@ -80,7 +80,7 @@ class Engine:
         self._worker_factory = worker_factory
         # Every worker group known, connected or not, by name.
         self._replicas: dict[str, Replica] = {}
-        self._router = Router(config.enable_prefix_caching)
+        self._router = Router(config)
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._on_ready = on_ready
         self._ready_reported: bool | None = None
@@ -273,8 +273,7 @@ class Engine:
             stream = self._streams.get(group.request_id)
             if stream is None or stream.group is not group:
                 continue
-            fits = [r for r in targets if self._fits(r, group)]
-            target = self._router.pick(fits, group.seqs[0].token_ids)
+            target = self._router.place_moved(targets, group)
             if target is None:
                 self._fail_stream(group, "the worker was lost")
                 failed += 1
@@ -285,18 +284,6 @@ class Engine:
         self.metrics.recovered.inc(moved)
         if moved or failed:
             log.warning("requests_recovered", group=lost.name, moved=moved, failed=failed, to=[t.name for t in targets])
-
-    def _fits(self, replica: Replica, group: SequenceGroup) -> bool:
-        """Whether `replica` can finish the moved group as its own group would have."""
-        sched = replica.scheduler
-        assert sched is not None
-        seq, context = group.seqs[0], sched.max_model_len
-        total = seq.num_prompt_tokens + seq.stopping.max_tokens if seq.stopping.max_tokens else context
-        # Groups may have shorter contexts than the lost one: a request must not be cut short
-        # there, nor its tokens so far fed past the end (the worker refuses such a step).
-        if total > context or any(s.num_tokens >= context for s in group.live()):
-            return False
-        return sched.can_ever_fit(seq.num_prompt_tokens, total, group.width)
 
     def _fail_stream(self, group: SequenceGroup, what: str) -> None:
         """End a request that lost its worker: ABORTED if it streamed tokens, else UNAVAILABLE."""
@@ -380,28 +367,7 @@ class Engine:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         sampling = sampling_params(req, seed, self.limits)
         total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
-        width = max(sampling.best_of, sampling.beam_width)
-        for name, limit in (("max_num_seqs", self.config.max_num_seqs), ("max_num_batched_tokens", self.config.max_num_batched_tokens)):
-            if width > limit:
-                field = "sampling.beam_width" if sampling.beam_width > 1 else "sampling.best_of"
-                raise InvalidArgument(field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})")
-        fit = [r for r in ready if r.scheduler.can_ever_fit(len(tokens), total, width)]  # type: ignore[union-attr]
-        if not fit:
-            biggest = max((r.scheduler for r in ready), key=lambda s: s.block_manager.num_blocks)  # type: ignore[union-attr]
-            bm = biggest.block_manager  # type: ignore[union-attr]
-            need = biggest.blocks_for_group(len(tokens), total, width)  # type: ignore[union-attr]
-            raise ResourceExhausted(
-                f"the request needs {need} KV blocks ({width} x up to {total} tokens), more than the whole "
-                f"cache holds ({bm.num_blocks} blocks of {bm.block_size}); lower stopping.max_tokens, "
-                f"the prompt length, n, best_of or beam_width"
-            )
-        room = [r for r in fit if r.num_queued < self.config.max_queue_len]
-        target = self._router.pick(room, tokens)
-        if target is None:
-            raise ResourceExhausted(
-                f"the waiting queue is full ({sum(r.num_queued for r in fit)} requests, --max-queue-len "
-                f"{self.config.max_queue_len} per worker group); retry later"
-            )
+        target = self._router.place(ready, tokens, total, max(sampling.best_of, sampling.beam_width), sampling.beam_width > 1)
         arrival = next(self._arrivals)
         seq = Sequence(
             seq_id=next(self._seq_ids),

@@ -135,7 +135,7 @@ def replica(name: str, num_blocks: int = 64) -> Replica:
 
 
 def test_a_burst_spreads_over_equal_groups_by_queued_demand() -> None:
-    router, ids = Router(enable_prefix_caching=True), itertools.count()
+    router, ids = Router(SchedulerConfig()), itertools.count()
     a, b = replica("a"), replica("b")
     for i in range(6):
         g = group(ids, 8, 4, i)
@@ -146,7 +146,7 @@ def test_a_burst_spreads_over_equal_groups_by_queued_demand() -> None:
 
 
 def test_a_prompt_follows_its_cached_prefix_until_load_outweighs_it() -> None:
-    router, ids = Router(enable_prefix_caching=True), itertools.count()
+    router, ids = Router(SchedulerConfig()), itertools.count()
     a, b = replica("a"), replica("b")
     system = [7] * 40  # 10 full blocks of 4 tokens shared by the prompts below
     warm = group(ids, 0, 2, 0, prompt=system + [1, 2])
@@ -157,7 +157,7 @@ def test_a_prompt_follows_its_cached_prefix_until_load_outweighs_it() -> None:
     assert not b.scheduler.has_work and b.scheduler.block_manager.num_used_blocks == 0  # type: ignore[union-attr]
     assert router.pick([a, b], prompt) is b
     # Without prefix caching the groups are equal and the first one wins the tie.
-    assert Router(enable_prefix_caching=False).pick([a, b], prompt) is a
+    assert Router(SchedulerConfig(enable_prefix_caching=False)).pick([a, b], prompt) is a
     # Queue 12 blocks of demand on b: more than its 10-block hit is worth.
     for i in range(2):
         g = group(ids, 22, 4, 10 + i)
