@@ -68,18 +68,21 @@ class SchedulerMetrics:
                 ("free_gpu_blocks", "free_gpu_blocks", "Free device KV blocks of the worker group."),
             )
         }
-        self._groups: set[str] = set()
+        self._groups: dict[str, _GroupGauges] = {}
 
     def group(self, name: str) -> _GroupGauges:
-        self._groups.add(name)
-        return _GroupGauges({f: g.labels(self.model_name, name) for f, g in self._group_gauges.items()})
+        """The group's gauges; set every step, so the labelled children are looked up once."""
+        gauges = self._groups.get(name)
+        if gauges is None:
+            gauges = self._groups[name] = _GroupGauges({f: g.labels(self.model_name, name) for f, g in self._group_gauges.items()})
+        return gauges
 
     def group_names(self) -> set[str]:
         return set(self._groups)
 
     def remove_group(self, name: str) -> None:
         """A group that left stops being reported (not frozen at its last values)."""
-        self._groups.discard(name)
+        self._groups.pop(name, None)
         for gauge in self._group_gauges.values():
             try:
                 gauge.remove(self.model_name, name)
