@@ -384,7 +384,7 @@ async def test_a_group_that_completes_its_registration_after_stop_is_not_served(
     await until(lambda: engine.ready)
     await engine.stop()
     engine.attach_group("h", ["h-1"])
-    assert "h-1" not in workers and not engine._replicas  # noqa: SLF001
+    assert "h-1" not in workers and not engine._fleet._replicas  # noqa: SLF001
 
 
 class ScoringWorker(LosingWorker):

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import scheduler_svc.engine as engine_module
+import scheduler_svc.fleet as fleet_module
 from common.config import SchedulerConfig
 from common.errors import Aborted, Cancelled, ResourceExhausted, Unavailable
 from common.model_spec import ModelSpec
@@ -278,8 +278,8 @@ class EventLog:
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[EventLog]:
     log = EventLog()
-    monkeypatch.setattr(engine_module, "asyncio", _FastAsyncio())
-    monkeypatch.setattr(engine_module, "log", log)
+    monkeypatch.setattr(fleet_module, "asyncio", _FastAsyncio())
+    monkeypatch.setattr(fleet_module, "log", log)
     yield log
 
 
@@ -416,7 +416,7 @@ async def fuzz_once(seed: int, spec: ModelSpec, tokenizer: Tokenizer, events: Ev
         if chaos is not None:
             chaos.cancel()
         await asyncio.wait_for(engine.stop(), 5)
-    assert not engine._replicas and not engine._streams  # noqa: SLF001
+    assert not engine._fleet._replicas and not engine._streams  # noqa: SLF001
     await asyncio.sleep(0.02)
     left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("engine:")]
     assert not left, f"group loops still running after stop: {left}"
@@ -441,7 +441,7 @@ def describe(engine: Engine, fates: list[Fate]) -> str:
         stream = engine._streams.get(fate.req.request_id)  # noqa: SLF001
         where = "no stream" if stream is None else f"on {stream.replica.name if stream.replica else None}"
         lines.append(f"{fate.req.request_id} ({len(fate.outputs)} messages) {where}")
-    for r in engine._replicas.values():  # noqa: SLF001
+    for r in engine._fleet._replicas.values():  # noqa: SLF001
         queues = ""
         if r.scheduler is not None:
             s = r.scheduler
@@ -461,7 +461,7 @@ async def quiesce(run: Run) -> None:
     """Wait for the last aborts to be applied and for every group that should serve to serve."""
     engine = run.engine
     for _ in range(400):
-        replicas = engine._replicas.values()  # noqa: SLF001
+        replicas = engine._fleet._replicas.values()  # noqa: SLF001
         idle = all(not r.inbox and (r.scheduler is None or not r.scheduler.has_work) for r in replicas)
         if run.registered:
             expected = set(run.attached)
@@ -478,7 +478,7 @@ async def quiesce(run: Run) -> None:
 
 def check_engine(run: Run) -> None:
     engine = run.engine
-    for replica in engine._replicas.values():  # noqa: SLF001
+    for replica in engine._fleet._replicas.values():  # noqa: SLF001
         sched = replica.scheduler
         if sched is None:
             continue
