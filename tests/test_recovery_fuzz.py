@@ -47,17 +47,10 @@ from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import StepTiming, WorkerLost
 from tests.test_engine import spec, tokenizer  # noqa: F401 (fixtures)
+from tests.test_scheduler_memory import VOCAB, FakeRows, _mix
 
 BLOCK_SIZE = 4
-VOCAB = 50  # ids the fake model emits; 2 is the tiny model's eos
 SEEDS = range(60)
-
-
-def _mix(*values: int) -> int:
-    h = 0x811C9DC5
-    for v in values:
-        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
 
 
 class ShadowModel:
@@ -75,11 +68,7 @@ class ShadowModel:
         for src, dst in plan.copy.tolist():
             self.gpu[dst] = list(self.gpu[src])
         n = plan.num_seqs
-        k = int(plan.sampling.num_logprobs.max()) if n and plan.sampling.num_logprobs.size else 0
-        tokens = np.full(n, -1, np.int32)
-        logprobs = np.zeros(n, np.float32)
-        top_ids = np.full((n, k), -1, np.int32)
-        top_lps = np.full((n, k), -np.inf, np.float32)
+        rows = FakeRows(plan)
         starts = np.concatenate([[0], np.cumsum(plan.query_lens)]).tolist()
         history = plan.sampling.history_offsets
         for i in range(n):
@@ -96,18 +85,8 @@ class ShadowModel:
             if history.size and history[i + 1] > history[i]:
                 sent = plan.sampling.history_token_ids[history[i] : history[i + 1]].tolist()
                 assert sent == seen, f"step {plan.step_id} row {i}: penalty history differs from the cache"
-            h = _mix(*seen)
-            scores = [(_mix(h, t) % 1000) / 100 for t in range(VOCAB)]
-            order = sorted(range(VOCAB), key=lambda t: (scores[t], t))
-            pick = order[0]
-            if plan.sampling.temperature[i] > 0:
-                pick = order[_mix(int(plan.sampling.seed[i]), int(plan.sampling.output_position[i])) % 5]
-            tokens[i] = pick
-            logprobs[i] = -scores[pick]
-            width = int(plan.sampling.num_logprobs[i]) if plan.sampling.num_logprobs.size else 0
-            top_ids[i, :width] = order[:width]
-            top_lps[i, :width] = [-scores[t] for t in order[:width]]
-        return StepResult(plan.step_id, tokens, logprobs=logprobs, top_token_ids=top_ids, top_logprobs=top_lps)
+            rows.sample(i, _mix(*seen))
+        return rows.result()
 
 
 class FuzzWorker:

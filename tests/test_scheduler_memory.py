@@ -30,31 +30,48 @@ def _mix(*values: int) -> int:
     return h
 
 
+class FakeRows:
+    """A fake step result, row by row: each sampled row draws from a fixed distribution of its
+    key, in which token t has logprob -score(t); top-k ranks that distribution."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        n = plan.num_seqs
+        k = int(plan.sampling.num_logprobs.max()) if n and plan.sampling.num_logprobs.size else 0
+        self.plan = plan
+        self.tokens = np.full(n, -1, np.int32)
+        self.logprobs = np.full(n, np.nan, np.float32)
+        self.top_ids = np.full((n, k), -1, np.int32)
+        self.top_lps = np.full((n, k), -np.inf, np.float32)
+
+    def sample(self, i: int, *key: int) -> None:
+        sampling = self.plan.sampling
+        scores = [(_mix(*key, t) % 1000) / 100 for t in range(VOCAB)]
+        order = sorted(range(VOCAB), key=lambda t: (scores[t], t))
+        pick = order[0]
+        if sampling.temperature[i] > 0:
+            pick = order[_mix(int(sampling.seed[i]), int(sampling.output_position[i])) % 5]
+        self.tokens[i] = pick
+        self.logprobs[i] = -scores[pick]
+        width = int(sampling.num_logprobs[i]) if sampling.num_logprobs.size else 0
+        self.top_ids[i, :width] = order[:width]
+        self.top_lps[i, :width] = [-scores[t] for t in order[:width]]
+
+    def result(self) -> StepResult:
+        return StepResult(
+            self.plan.step_id, self.tokens, logprobs=self.logprobs, top_token_ids=self.top_ids, top_logprobs=self.top_lps
+        )
+
+
 def fake_execute(plan: StepPlan) -> StepResult:
     """Token = f(last fed token, position[, seed when sampling]); top-k ranks a fixed fake distribution."""
     n = plan.num_seqs
     ends = plan.context_lens + plan.query_lens
     last = plan.input_ids[np.cumsum(plan.query_lens) - 1] if n else np.zeros(0, np.int32)
-    k = int(plan.sampling.num_logprobs.max()) if n and plan.sampling.num_logprobs.size else 0
-    tokens = np.full(n, -1, np.int32)
-    logprobs = np.full(n, np.nan, np.float32)
-    top_ids = np.full((n, k), -1, np.int32)
-    top_lps = np.full((n, k), -np.inf, np.float32)
+    rows = FakeRows(plan)
     for i in range(n):
-        if not plan.sample[i]:
-            continue
-        # A fixed distribution per (last token, position): token t has logprob -score(t).
-        scores = [(_mix(int(last[i]), int(ends[i]), t) % 1000) / 100 for t in range(VOCAB)]
-        order = sorted(range(VOCAB), key=lambda t: (scores[t], t))
-        pick = order[0]
-        if plan.sampling.temperature[i] > 0:
-            pick = order[_mix(int(plan.sampling.seed[i]), int(plan.sampling.output_position[i])) % 5]
-        tokens[i] = pick
-        logprobs[i] = -scores[pick]
-        width = int(plan.sampling.num_logprobs[i]) if plan.sampling.num_logprobs.size else 0
-        top_ids[i, :width] = order[:width]
-        top_lps[i, :width] = [-scores[t] for t in order[:width]]
-    return StepResult(plan.step_id, tokens, logprobs=logprobs, top_token_ids=top_ids, top_logprobs=top_lps)
+        if plan.sample[i]:
+            rows.sample(i, int(last[i]), int(ends[i]))
+    return rows.result()
 
 
 def make_scheduler(num_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4, prefix_caching: bool = True,
