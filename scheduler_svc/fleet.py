@@ -119,7 +119,6 @@ class Fleet:
             await replica.worker.close()
         self._replicas.clear()
 
-
     def attach_group(self, name: str, addresses: list[str]) -> None:
         """A registered group has all its ranks: connect to it and serve with it."""
         if self._worker_factory is None or self._static or self._stopping:
@@ -167,7 +166,7 @@ class Fleet:
                 if replica.attached:
                     await asyncio.sleep(1.0)
         finally:
-            if self._replicas.get(replica.name) is replica:
+            if self.holds(replica):
                 del self._replicas[replica.name]
             # However the task ended, nothing may stay queued on a group that no longer runs.
             if replica.scheduler is not None or replica.inbox:

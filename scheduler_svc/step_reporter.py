@@ -74,10 +74,13 @@ class StepReporter:
     def publish_gauges(self, replica: Replica, serving: list[Replica]) -> None:
         """This group's gauges, and the service-wide ones summed over every serving group."""
         m = self.metrics
-        load = replica.load()
-        if load is not None:
-            m.group(replica.name).set(load)
-        loads = [g for g in (r.load() for r in serving) if g is not None]
+        loads = []
+        for r in serving:
+            load = r.load()
+            if load is not None:
+                loads.append(load)
+                if r is replica:
+                    m.group(r.name).set(load)
         m.running.set(sum(g.running for g in loads))
         m.waiting.set(sum(g.waiting for g in loads))
         m.swapped.set(sum(g.swapped for g in loads))
