@@ -53,9 +53,10 @@ CMD ["scheduler", "--host", "0.0.0.0", "--port", "50051"]
 
 
 FROM base AS worker
-# Triton compiles a small C launcher for its kernels when it first loads them.
+# Triton compiles a small C launcher for its kernels when it first loads them, and a CPU
+# worker compiles our C++ kernels (kernels/cpu/) on its first start.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python deploy/requirements.py --extra prepare > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \

@@ -1,0 +1,43 @@
+// SwiGLU's gate: x = [gate | up] per row, out = silu(gate) * up, rounded to T after the silu
+// and after the product, as the reference's two torch ops round. silu(g) = g / (1 + exp(-g))
+// with a refined reciprocal instead of a division: in bfloat16 the same bits but for a float
+// ulp at a rounding boundary, now and then.
+#include <omp.h>
+
+#include "vec.h"
+
+namespace llmserve {
+namespace {
+
+template <typename T>
+void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows, int d, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* gate = x + t * x_stride;
+    const T* up = gate + d;
+    T* o = out + t * out_stride;
+    for (int c = 0; c < d; c += 16) {
+      const int n = d - c < 16 ? d - c : 16;
+      const V16 g = vload(gate + c, n);
+      const V16 silu = vround<T>(g * vrcp(vset(1.0f) + vexp(vzero() - g)));
+      vstore(o + c, silu * vload(up + c, n), n);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace llmserve
+
+extern "C" {
+
+#define LLMSERVE_SILU_AND_MUL(suffix, T)                                                                          \
+  void llmserve_silu_and_mul_##suffix(const void* x, int64_t x_stride, void* out, int64_t out_stride,           \
+                                      int64_t rows, int d, int num_threads) {                                   \
+    llmserve::silu_and_mul(static_cast<const T*>(x), x_stride, static_cast<T*>(out), out_stride, rows, d,       \
+                           num_threads);                                                                        \
+  }
+
+LLMSERVE_SILU_AND_MUL(f32, float)
+LLMSERVE_SILU_AND_MUL(bf16, llmserve::bf16)
+
+}  // extern "C"

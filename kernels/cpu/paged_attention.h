@@ -1,0 +1,253 @@
+// Causal attention of a mixed batch straight from the paged KV cache, on the CPU.
+// (Instantiated per dtype by paged_attention_f32.cpp and paged_attention_bf16.cpp, which
+// then compile in parallel.)
+//
+// Sequence s has q_len = query_lens[s] query rows, rows query_start[s] .. + q_len - 1 of q, at
+// positions [seq_len - q_len, seq_len); its keys and values live in the blocks
+// block_tables[s, :]. A sequence with no rows is skipped (the caller attends to it otherwise).
+// Nothing is gathered into a contiguous copy. A work item is one sequence, a tile of up to
+// TILE query rows and a range of KV heads (all of them unless the batch is too small to keep
+// the threads busy: a cache row holds every KV head of a token, and reading it whole is what
+// the memory system does best). It walks the sequence's keys sixteen at a time, reading them
+// where they lie, with the streaming (online) softmax of flash attention:
+//
+//     for each chunk of 16 keys:  s = q . k * scale        (masked past each row's position)
+//                                 m' = max(m, max s);  c = exp(m - m')
+//                                 l  = l * c + sum exp(s - m');  acc = acc * c + exp(s - m') @ V
+//     out = acc / l
+//
+// The query heads that share a KV head (a GQA group) go through each key and value row
+// together, GB heads at a time, so a row is loaded and widened once for all of them. With
+// AVX512-BF16 the q . k products of bfloat16 data are dpbf16 instructions on the raw bits
+// (exact products, float32 sums); otherwise rows are widened to float32 and multiplied there.
+// Values are always accumulated in float32.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace llmserve {
+namespace paged {
+
+constexpr int TILE = 8;    // query rows per work item
+constexpr int CHUNK = 16;  // keys per step of the streaming softmax (one V16 of scores)
+
+struct Item {
+  int seq, row_begin, row_end;  // rows relative to the sequence's first query token
+  int head_begin, head_end;     // KV heads
+};
+
+struct Shape {
+  int num_kv_heads, group, block_size;
+  int64_t q_stride, out_stride;
+  float scale;
+};
+
+// Scores of GB query heads (q: GB consecutive heads of one row) against 16 keys of one KV
+// head: lane j of out[g] is scale * (q_g . keys[j]).
+template <typename T, int DV, int GB>
+inline void head_scores(const T* q, const T* const* keys, float scale, V16* out) {
+  constexpr int HD = DV * 16;
+  V16 part[GB][CHUNK];  // lane sums of each product, reduced 16 at a time below
+#if defined(LLMSERVE_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16> && DV % 2 == 0) {
+    __m512bh qb[GB][DV / 2];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DV / 2; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + g * HD + 32 * c);
+    for (int j = 0; j < CHUNK; ++j) {
+      __m512 d[GB];
+      for (int g = 0; g < GB; ++g) d[g] = _mm512_setzero_ps();
+      for (int c = 0; c < DV / 2; ++c) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c);
+        for (int g = 0; g < GB; ++g) d[g] = _mm512_dpbf16_ps(d[g], qb[g][c], k);
+      }
+      for (int g = 0; g < GB; ++g) part[g][j] = {d[g]};
+    }
+  } else
+#endif
+  {
+    V16 qv[GB][DV];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DV; ++c) qv[g][c] = vload(q + g * HD + 16 * c);
+    for (int j = 0; j < CHUNK; ++j) {
+      V16 k[DV];
+      for (int c = 0; c < DV; ++c) k[c] = vload(keys[j] + 16 * c);
+      for (int g = 0; g < GB; ++g) {
+        V16 d = vzero();
+        for (int c = 0; c < DV; ++c) d = vfma(qv[g][c], k[c], d);
+        part[g][j] = d;
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) out[g] = vsum16(part[g]) * vset(scale);
+}
+
+// head_dim = 16 * DV; GB query heads at a time, GB dividing the group size.
+template <typename T, int DV, int GB>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, int q_start, int context,
+            const Item& it, const Shape& sh, T* out, float* scratch) {
+  constexpr int HD = DV * 16;
+  const int rows = it.row_end - it.row_begin;
+  const int heads = it.head_end - it.head_begin;  // KV heads of this item
+  const int per_row = heads * sh.group;           // query vectors per row
+  const int nq = rows * per_row;                  // row-major, then KV head, then head of the group
+  float* acc = scratch;                           // [nq, HD]
+  float* m = acc + nq * HD;                       // [nq] running max
+  float* l = m + nq;                              // [nq] running sum
+  for (int i = 0; i < nq; ++i) {
+    for (int c = 0; c < DV; ++c) vstore(acc + i * HD + 16 * c, vzero());
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+  }
+  const int first_q_head = it.head_begin * sh.group;
+  const int64_t row_stride = static_cast<int64_t>(sh.num_kv_heads) * HD;
+  const T* kbase[CHUNK];  // this chunk's cache rows, at the item's first KV head
+  const T* vbase[CHUNK];
+  const T* kj[CHUNK];  // the same rows at one KV head
+  // Row r sees keys [0, context + row_begin + r]; the tile's last row sees the most.
+  const int num_keys = context + it.row_end;
+  const int64_t item_bytes = static_cast<int64_t>(heads) * HD * sizeof(T);  // of one cache row
+  for (int c0 = 0; c0 < num_keys; c0 += CHUNK) {
+    const int n = std::min(CHUNK, num_keys - c0);
+    for (int j = 0; j < CHUNK; ++j) {
+      // Lanes past the last key repeat it: read, then masked out.
+      const int key = c0 + std::min(j, n - 1);
+      const int64_t slot = static_cast<int64_t>(block_table[key / sh.block_size]) * sh.block_size + key % sh.block_size;
+      kbase[j] = k_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD;
+      vbase[j] = v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD;
+    }
+    // The next chunk's rows lie in another block, wherever the allocator put it: ask for
+    // them now, so they arrive while this chunk computes.
+    for (int key = c0 + CHUNK; key < std::min(num_keys, c0 + 2 * CHUNK); ++key) {
+      const int64_t slot = static_cast<int64_t>(block_table[key / sh.block_size]) * sh.block_size + key % sh.block_size;
+      const char* kp = reinterpret_cast<const char*>(k_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
+      const char* vp = reinterpret_cast<const char*>(v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
+      for (int64_t b = 0; b < item_bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, context + it.row_begin + r + 1 - c0);  // keys of the chunk row r sees
+      if (visible <= 0) continue;
+      const T* qrow = q + static_cast<int64_t>(q_start + it.row_begin + r) * sh.q_stride + first_q_head * HD;
+      for (int kv = 0; kv < heads; ++kv) {
+        for (int j = 0; j < CHUNK; ++j) kj[j] = kbase[j] + kv * HD;
+        for (int g0 = 0; g0 < sh.group; g0 += GB) {
+          const int h = kv * sh.group + g0;  // first of the GB heads, within the row
+          const int i0 = r * per_row + h;
+          V16 scores[GB];
+          head_scores<T, DV, GB>(qrow + h * HD, kj, sh.scale, scores);
+          float p[GB][CHUNK];
+          float correction[GB];
+          for (int g = 0; g < GB; ++g) {
+            const V16 sv = vkeep(scores[g], visible, -INFINITY);
+            const float m_new = std::max(m[i0 + g], vmaxall(sv));
+            correction[g] = std::exp(m[i0 + g] - m_new);  // exp(-inf) = 0 on the first chunk
+            const V16 pv = vexp(sv - vset(m_new));
+            vstore(p[g], pv);
+            l[i0 + g] = l[i0 + g] * correction[g] + vsum(pv);
+            m[i0 + g] = m_new;
+          }
+          V16 a[GB][DV];
+          for (int g = 0; g < GB; ++g)
+            for (int c = 0; c < DV; ++c) a[g][c] = vload(acc + (i0 + g) * HD + 16 * c) * vset(correction[g]);
+          for (int j = 0; j < visible; ++j) {
+            const T* vrow = vbase[j] + kv * HD;
+            for (int c = 0; c < DV; ++c) {
+              const V16 v = vload(vrow + 16 * c);
+              for (int g = 0; g < GB; ++g) a[g][c] = vfma(vset(p[g][j]), v, a[g][c]);
+            }
+          }
+          for (int g = 0; g < GB; ++g)
+            for (int c = 0; c < DV; ++c) vstore(acc + (i0 + g) * HD + 16 * c, a[g][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    T* orow = out + static_cast<int64_t>(q_start + it.row_begin + r) * sh.out_stride + first_q_head * HD;
+    for (int h = 0; h < per_row; ++h) {
+      const int i = r * per_row + h;
+      const V16 inv = vset(1.0f / l[i]);
+      for (int c = 0; c < DV; ++c) vstore(orow + h * HD + 16 * c, vload(acc + i * HD + 16 * c) * inv);
+    }
+  }
+}
+
+using AttendFn = void (*)(const void*, const void*, const void*, const int32_t*, int, int, const Item&, const Shape&,
+                          void*, float*);
+
+template <typename T, int DV, int GB>
+void attend_erased(const void* q, const void* k, const void* v, const int32_t* table, int q_start, int context,
+                   const Item& it, const Shape& sh, void* out, float* scratch) {
+  attend<T, DV, GB>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), table, q_start,
+                    context, it, sh, static_cast<T*>(out), scratch);
+}
+
+// The largest run of a group's heads whose accumulators fit the registers: 4 for heads of up
+// to 96, 2 for 128, 1 beyond.
+template <typename T, int DV>
+AttendFn pick_group_run(int group) {
+  constexpr int most = DV <= 6 ? 4 : DV <= 8 ? 2 : 1;
+  if (most >= 4 && group % 4 == 0) return attend_erased<T, DV, (most >= 4 ? 4 : 1)>;
+  if (most >= 3 && group % 3 == 0) return attend_erased<T, DV, (most >= 3 ? 3 : 1)>;
+  if (most >= 2 && group % 2 == 0) return attend_erased<T, DV, (most >= 2 ? 2 : 1)>;
+  return attend_erased<T, DV, 1>;
+}
+
+template <typename T>
+AttendFn pick(int head_dim, int group) {
+  switch (head_dim) {
+    case 64: return pick_group_run<T, 4>(group);
+    case 80: return pick_group_run<T, 5>(group);
+    case 96: return pick_group_run<T, 6>(group);
+    case 128: return pick_group_run<T, 8>(group);
+    case 256: return pick_group_run<T, 16>(group);
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                    int64_t table_stride, const int32_t* query_start, const int32_t* query_lens,
+                    const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                    int block_size, float scale, T* out, int64_t out_stride, int num_threads) {
+  const Shape sh{num_kv_heads, num_heads / num_kv_heads, block_size, q_stride, out_stride, scale};
+  const AttendFn fn = pick<T>(head_dim, sh.group);
+  if (fn == nullptr) return -1;
+  int tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) tiles += (query_lens[s] + TILE - 1) / TILE;
+  // Whole rows of the cache per item, unless that leaves too few items to share out.
+  const int heads_per_item = tiles >= 4 * num_threads ? num_kv_heads : 1;
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(tiles) * (num_kv_heads / heads_per_item));
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = query_lens[s];
+    for (int r = 0; r < q_len; r += TILE)
+      for (int h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({s, r, std::min(q_len, r + TILE), h, h + heads_per_item});
+  }
+  const int64_t scratch_floats = static_cast<int64_t>(TILE) * heads_per_item * sh.group * (head_dim + 2);
+  const int count = static_cast<int>(items.size());
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scratch(scratch_floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int w = 0; w < count; ++w) {
+      const Item& it = items[w];
+      fn(q, k_cache, v_cache, block_tables + it.seq * table_stride, query_start[it.seq],
+         seq_lens[it.seq] - query_lens[it.seq], it, sh, out, scratch.data());
+    }
+  }
+  return 0;
+}
+
+}  // namespace paged
+}  // namespace llmserve
+
