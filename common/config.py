@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
@@ -100,8 +100,10 @@ class WorkerConfig:
     cache: CacheConfig = CacheConfig()
     # Largest step the worker profiles memory for; set to the scheduler's token budget.
     max_num_batched_tokens: int = 2048
-    # "auto": triton on CUDA, torch on CPU.
+    # "auto": triton on CUDA, our C++ kernels ("cpu") on CPU; "torch" is the reference.
     attention_backend: str = "auto"
+    # Time each step by part (StepResult.part_seconds); hooks cost a little, on CUDA a sync each.
+    profile_steps: bool = False
     # Tensor parallelism: this process is `rank` of `world_size`, meeting the others at
     # `dist_init_method` (e.g. tcp://127.0.0.1:29500); collectives give up after dist_timeout
     # seconds, so a dead or stalled rank ends the group instead of hanging it.

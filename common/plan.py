@@ -156,3 +156,6 @@ class StepResult:
     prompt_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
     prompt_top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     prompt_top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Seconds of the step by part when the worker profiles its steps (worker_svc.step_profile);
+    # empty otherwise.
+    part_seconds: dict[str, float] = field(default_factory=dict)

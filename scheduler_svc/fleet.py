@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -322,14 +323,19 @@ class Fleet:
             replica.wake.clear()
             self._apply_inbox(replica, scheduler)
             self._reporter.publish_gauges(replica, self.serving)
+            build_start = time.perf_counter()
             plan = scheduler.schedule() if scheduler.has_work else None
             if plan is None:
                 await replica.wake.wait()
                 continue
+            plan_build = time.perf_counter() - build_start
             self._reporter.observe_admissions(scheduler)
             with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
                 result, timing = await replica.worker.execute(plan)
+                update_start = time.perf_counter()
                 events = scheduler.update(plan, result)
                 self._reporter.emit(scheduler, events)
+                update = time.perf_counter() - update_start
                 # Sampled rows, not events: beam steps sample every beam but emit only at the end.
                 self._reporter.record(replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing)
+                self._reporter.record_parts(result, timing, plan_build, update)

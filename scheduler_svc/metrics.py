@@ -55,6 +55,13 @@ class SchedulerMetrics:
         self.roundtrip = histogram(
             "llmserve:step_roundtrip_seconds", "Plan sent to result received, per step.", _SECONDS_BUCKETS
         )
+        self.steps = counter("llmserve:steps", "Steps executed (all worker groups).")
+        # Where step time goes, by part: the scheduler's own (plan_build, plan_encode, transport,
+        # result_decode, update) always; the worker's (worker_svc.step_profile) when it profiles.
+        self._step_parts = Counter(
+            "llmserve:step_part_seconds", "Seconds spent in each part of the steps.", ["model_name", "part"], registry=r
+        )
+        self._part_children: dict[str, Counter] = {}
 
         # Per worker group (data-parallel replica), labelled with its name.
         by_group = ["model_name", "group"]
@@ -69,6 +76,13 @@ class SchedulerMetrics:
             )
         }
         self._groups: dict[str, _GroupGauges] = {}
+
+    def add_step_parts(self, parts: dict[str, float]) -> None:
+        for part, seconds in parts.items():
+            child = self._part_children.get(part)
+            if child is None:
+                child = self._part_children[part] = self._step_parts.labels(self.model_name, part)
+            child.inc(seconds)
 
     def group(self, name: str) -> _GroupGauges:
         """The group's gauges; set every step, so the labelled children are looked up once."""

@@ -14,6 +14,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import Replica
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler, TokenEvent
+from common.plan import StepResult
 from scheduler_svc.worker_client import StepTiming
 
 log = structlog.get_logger(__name__)
@@ -87,6 +88,25 @@ class StepReporter:
         blocks, cpu_blocks = sum(g.num_gpu_blocks for g in loads), sum(g.num_cpu_blocks for g in loads)
         m.kv_usage.set(1 - sum(g.free_gpu_blocks for g in loads) / blocks if blocks else 0.0)
         m.cpu_usage.set(1 - sum(g.free_cpu_blocks for g in loads) / cpu_blocks if cpu_blocks else 0.0)
+
+    def record_parts(self, result: StepResult, timing: StepTiming, plan_build: float, update: float) -> None:
+        """Where the step's time went: the scheduler's parts, and the worker's when it sent them.
+
+        transport is the round trip less what the worker reports of its own time (all of its
+        execute time, plus decoding the plan and encoding the result when it profiles)."""
+        worker = result.part_seconds
+        busy = timing.execute_seconds + worker.get("plan_decode", 0.0) + worker.get("result_encode", 0.0)
+        parts = {
+            "plan_build": plan_build,
+            "plan_encode": timing.encode_seconds,
+            "transport": max(timing.roundtrip_seconds - busy, 0.0),
+            "result_decode": timing.decode_seconds,
+            "update": update,
+            **worker,
+        }
+        self.metrics.steps.inc()
+        self.metrics.add_step_parts(parts)
+        log.debug("step_parts", **{f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in parts.items()})
 
     def record(self, replica: Replica, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
         m = self.metrics

@@ -137,6 +137,7 @@ def step_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
         logprobs=unpack(msg.logprobs, np.float32, "logprobs", num_seqs if msg.logprobs else 0),
         top_token_ids=unpack(msg.top_token_ids, np.int32, "top_token_ids", num_seqs * width).reshape(num_seqs, width),
         top_logprobs=unpack(msg.top_logprobs, np.float32, "top_logprobs", num_seqs * width).reshape(num_seqs, width),
+        part_seconds=dict(msg.part_seconds),
         **_prompt_logprobs(msg, num_seqs),
     )
 

@@ -46,8 +46,10 @@ class WorkerLost(Exception):
 @dataclass(frozen=True)
 class StepTiming:
     plan_bytes: int
-    roundtrip_seconds: float
-    execute_seconds: float
+    roundtrip_seconds: float  # plan written to result read
+    execute_seconds: float  # the worker's own time for the step (StepResult.execute_seconds)
+    encode_seconds: float = 0.0  # encoding the plan
+    decode_seconds: float = 0.0  # decoding the result
 
 
 class WorkerClient:
@@ -101,9 +103,11 @@ class WorkerClient:
             call.cancel()
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
-        return await self.send(plan, wire.step_plan(plan))
+        start = time.perf_counter()
+        msg = wire.step_plan(plan)
+        return await self.send(plan, msg, time.perf_counter() - start)
 
-    async def send(self, plan: StepPlan, msg: worker_pb2.StepPlan) -> tuple[StepResult, StepTiming]:
+    async def send(self, plan: StepPlan, msg: worker_pb2.StepPlan, encode_seconds: float = 0.0) -> tuple[StepResult, StepTiming]:
         """Execute `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
         if self._call is None:
             raise WorkerLost(self._lost_reason or f"worker {self.address} is not connected")
@@ -125,14 +129,15 @@ class WorkerClient:
             raise WorkerLost(f"worker {self.address} missed the {self.step_timeout}s step deadline") from error
         if reply is grpc.aio.EOF:
             raise WorkerLost(f"worker {self.address} closed its step stream")
-        roundtrip = time.perf_counter() - start
+        received = time.perf_counter()
         try:
             result = wire.step_result(reply, plan.num_seqs)
         except ValueError as error:
             raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:
             raise WorkerLost(f"worker {self.address} answered step {result.step_id} to plan {plan.step_id}")
-        return result, StepTiming(size, roundtrip, result.execute_seconds)
+        return result, StepTiming(size, received - start, result.execute_seconds, encode_seconds,
+                                  time.perf_counter() - received)
 
     async def close(self) -> None:
         if self._watcher is not None:

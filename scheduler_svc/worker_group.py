@@ -13,6 +13,7 @@ their next collective within the distributed timeout and exit, so nothing waits 
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 
 from common.config import TlsClientConfig
@@ -52,7 +53,9 @@ class WorkerGroup:
         )
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        start = time.perf_counter()
         msg = wire.step_plan(plan)
+        encode = time.perf_counter() - start
         tasks = [asyncio.ensure_future(r.send(plan, msg)) for r in self.ranks]
         # The first failure decides: the other ranks are blocked in a collective with the dead
         # one and would answer only when the distributed timeout fails them too.
@@ -76,7 +79,8 @@ class WorkerGroup:
         result, timing = done[0]
         # The step lasts as long as its slowest rank.
         slowest = max(t.roundtrip_seconds for _, t in done)
-        return result, StepTiming(timing.plan_bytes, slowest, max(t.execute_seconds for _, t in done))
+        return result, StepTiming(timing.plan_bytes, slowest, max(t.execute_seconds for _, t in done), encode,
+                                  timing.decode_seconds)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.ranks))

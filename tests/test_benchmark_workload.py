@@ -99,3 +99,21 @@ def test_parse_args_accepts_overrides(tmp_path: Path) -> None:
     assert args.num_requests == 8 and args.seed == 5 and args.dtype == "float32" and args.skip_hf
     assert args.max_num_seqs == 16 and args.max_num_batched_tokens == 512
     assert args.out == tmp_path / "r.json" and args.vllm_python == sys.executable
+
+
+def test_step_breakdown_from_the_schedulers_counters() -> None:
+    before = {"steps": 10.0, "part:linear": 1.0, "part:plan_build": 0.1}
+    after = {"steps": 30.0, "part:linear": 5.0, "part:plan_build": 0.3, "part:attention": 2.0, "part:forward_other": 0.5,
+             "part:prepare": 0.2, "part:sampling": 0.3}
+    out = bench.step_breakdown(before, after, wall_s=10.0)
+    assert out["steps"] == 20 and list(out["parts"]) == ["plan_build", "prepare", "linear", "attention",
+                                                          "forward_other", "sampling"]
+    assert out["parts"]["linear"] == {"seconds": 4.0, "ms_per_step": 200.0, "share": 0.4}
+    # The worker worked 0.2 + 4 + 2 + 0.5 + 0.3 = 7 s of the 10: idle the rest.
+    assert abs(out["worker_idle_share"] - 0.3) < 1e-9
+    # Without the worker's parts (not profiled) there is no idle figure.
+    assert "worker_idle_share" not in bench.step_breakdown(before, {"steps": 12.0, "part:linear": 2.0}, 1.0)
+
+
+def test_profiling_the_steps_is_the_default() -> None:
+    assert bench.parse_args([]).profile_steps and not bench.parse_args(["--no-profile-steps"]).profile_steps

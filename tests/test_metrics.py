@@ -36,7 +36,8 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
     from scheduler_svc.server import SchedulerServer
 
     worker_metrics = free_port()
-    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64", "--metrics-port", str(worker_metrics))
+    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64", "--metrics-port", str(worker_metrics),
+                          "--profile-steps")
     metrics_port = free_port()
     server = SchedulerServer(str(tiny_model_dir), worker.address, ServerConfig(port=0, metrics_port=metrics_port),
                              SchedulerConfig(), step_timeout=60.0)
@@ -87,6 +88,17 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
         w = scrape(worker_metrics)
         wl = 'model_name="tiny-llama",rank="0"'
         assert value(w, "llmserve_worker:steps_total", wl) > 0
+        # Where the steps' time went: the scheduler's parts always, the worker's as it profiles.
+        steps = value(idle, "llmserve:steps_total")
+        assert steps == value(w, "llmserve_worker:steps_total", wl)
+        parts = {p: value(idle, "llmserve:step_part_seconds_total", f'{LABEL},part="{p}"')
+                 for p in ("plan_build", "plan_encode", "transport", "result_decode", "update", "plan_decode",
+                           "prepare", "embed", "linear", "attention", "norm_act", "forward_other", "lm_head", "sampling")}
+        assert all(v > 0 for v in parts.values()), parts
+        worker_busy = value(w, "llmserve_worker:step_execute_seconds_sum", wl)
+        inside = sum(parts[p] for p in ("prepare", "embed", "linear", "attention", "norm_act", "forward_other",
+                                        "lm_head", "sampling"))
+        assert inside <= worker_busy * 1.01  # parts of the worker's own time, not more
         assert value(w, "llmserve_worker:num_gpu_blocks", wl) == 64
         assert value(w, "llmserve_worker:step_execute_seconds_count", wl) == value(w, "llmserve_worker:steps_total", wl)
         bidi = 'grpc_type="bidi_stream",grpc_service="llmserve.v1.Worker",grpc_method="Execute"'

@@ -7,6 +7,7 @@ decodes only, with permuted block tables; every fed token's logits must match th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,10 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 BLOCK = 8
 
 
-def build(tmp_path: Path, case: str, backend: str = "torch") -> tuple[torch.nn.Module, ModelRunner]:
+def build(tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float32") -> tuple[torch.nn.Module, ModelRunner]:
     config_cls, model_cls, extra = CASES[case]
+    if backend == "cpu":
+        extra = extra | {"head_dim": 64}  # the C++ attention kernel's smallest head
     torch.manual_seed(0)
     ref = model_cls(config_cls(**(BASE | extra))).float().eval()
     # Biases start at zero; give them values so a dropped bias shows.
@@ -64,7 +67,7 @@ def build(tmp_path: Path, case: str, backend: str = "torch") -> tuple[torch.nn.M
     ref.save_pretrained(str(tmp_path))
     device = KERNEL_DEVICE if backend == "triton" else "cpu"
     runner = ModelRunner(
-        WorkerConfig(model=str(tmp_path), dtype="float32", device=device, attention_backend=backend,
+        WorkerConfig(model=str(tmp_path), dtype=dtype, device=device, attention_backend=backend,
                      cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40))
     )
     return ref, runner
@@ -76,10 +79,41 @@ TRITON_CASES = ["llama-gqa-untied", "llama-mqa-headdim", "llama3-rope", "qwen2-q
 
 @pytest.mark.parametrize(
     ("case", "backend"),
-    [(c, "torch") for c in CASES] + [(c, "triton") for c in TRITON_CASES],
+    [(c, "torch") for c in CASES] + [(c, "triton") for c in TRITON_CASES] + [(c, "cpu") for c in CASES],
 )
 def test_logits_match_transformers(tmp_path: Path, case: str, backend: str) -> None:
     ref, runner = build(tmp_path, case, backend)
+    assert runner.attention_backend == backend
+    got = _mixed_steps_logits(runner)
+    g = torch.Generator().manual_seed(1)
+    seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 15), (1, 23), (2, 10))}
+    with torch.no_grad():
+        for i, ids in seqs.items():
+            want = ref(torch.tensor([ids])).logits[0]  # [len, vocab]
+            mine = torch.stack([got[i][p] for p in range(len(ids))]).cpu()
+            torch.testing.assert_close(mine, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "llama3-rope", "qwen2-qkv-bias"])
+def test_cpu_kernels_in_bfloat16_are_as_close_to_the_reference_as_the_torch_path(tmp_path: Path, case: str) -> None:
+    # The same bfloat16 weights through both paths (oneDNN-packed linears, C++ norms, rotary,
+    # SiLU and paged attention, against torch's ops), each compared with the float32 model.
+    ref, cpu = build(tmp_path, case, "cpu", "bfloat16")
+    torch_path = ModelRunner(dataclasses.replace(cpu.config, attention_backend="torch"))
+    assert cpu.attention_backend == "cpu" and torch_path.attention_backend == "torch"
+    mine, theirs = _mixed_steps_logits(cpu), _mixed_steps_logits(torch_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 15), (1, 23), (2, 10))}
+    with torch.no_grad():
+        for i, ids in seqs.items():
+            want = ref(torch.tensor([ids])).logits[0]
+            cpu_error = (torch.stack([mine[i][p] for p in range(len(ids))]) - want).abs().max()
+            torch_error = (torch.stack([theirs[i][p] for p in range(len(ids))]) - want).abs().max()
+            assert cpu_error <= 1.5 * torch_error + 1e-3, f"sequence {i}: {cpu_error} vs torch path {torch_error}"
+
+
+def _mixed_steps_logits(runner: ModelRunner) -> dict[int, dict[int, torch.Tensor]]:
+    """Logits by (sequence, position) of three sequences fed through mixed steps."""
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 15), (1, 23), (2, 10))}
     # Permuted, interleaved block ids; block 0 is never used, so table padding points at it.
@@ -99,11 +133,7 @@ def test_logits_match_transformers(tmp_path: Path, case: str, backend: str) -> N
             for k in range(count):
                 got[i][start + k] = logits[row]
                 row += 1
-    with torch.no_grad():
-        for i, ids in seqs.items():
-            want = ref(torch.tensor([ids])).logits[0]  # [len, vocab]
-            mine = torch.stack([got[i][p] for p in range(len(ids))]).cpu()
-            torch.testing.assert_close(mine, want, atol=1e-4, rtol=0)
+    return got
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:

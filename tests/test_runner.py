@@ -35,11 +35,24 @@ def triton_model(model: tuple[LlamaForCausalLM, ModelRunner]) -> tuple[LlamaForC
                                          cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.fixture(scope="module")
+def cpu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, ModelRunner]:
+    """Heads of 64 (the C++ attention kernel's smallest), every per-layer op on our CPU kernels."""
+    path = tmp_path_factory.mktemp("runner-model-cpu")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=64, initializer_range=0.3)
+    ref = LlamaForCausalLM(cfg).float().eval()
+    ref.save_pretrained(str(path))
+    return ref, ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", attention_backend="auto",
+                                         cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_greedy_decoding_through_steps_equals_transformers_generate(
     request: pytest.FixtureRequest, backend: str
 ) -> None:
-    ref, runner = request.getfixturevalue("model" if backend == "torch" else "triton_model")
+    ref, runner = request.getfixturevalue({"torch": "model", "triton": "triton_model", "cpu": "cpu_model"}[backend])
     assert runner.attention_backend == backend
     prompts = [[5, 17, 42, 99, 3], list(range(10, 30))]
     tables = [[3, 9, 1, 12], [4, 2, 15, 6, 11]]

@@ -33,6 +33,40 @@ class AttentionMetadata:
     store_all: bool  # no slot is -1
 
 
+def attend_prefills(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim], this step's
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim], holding this step's K/V too
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [seqs, width]
+    prefills: tuple[tuple[int, int, int, int], ...],  # (first token, query length, context length, row)
+    scale: float,
+    out: torch.Tensor,  # [tokens, heads, head_dim], written at each prefill's rows
+) -> None:
+    """Causal attention of each multi-token query with torch's SDPA (flash attention on CPU).
+
+    A fresh prompt attends to its own contiguous K/V; a query with cached context before it
+    (a later chunk, a prefix-cache hit) gathers its blocks and masks: query i sits at position
+    ctx + i and sees positions 0 .. ctx + i.
+    """
+    kvh, d = k.shape[1], k.shape[2]
+    for start, q_len, ctx, row in prefills:
+        qs = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        if ctx == 0:
+            ks = k[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
+            vs = v[start : start + q_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            total = ctx + q_len
+            blocks = block_tables[row, : -(-total // k_cache.shape[1])].long()
+            ks = k_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, d]
+            vs = v_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+            mask = torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+
+
 class PagedAttentionBackend:
     """What every backend shares: the head geometry, and where each sequence's queries start."""
 
@@ -106,24 +140,9 @@ class TorchPagedAttention(PagedAttentionBackend):
     ) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        kvh, d = self.num_kv_heads, self.head_dim
         if meta.decode_token_idx.numel():
             out.index_copy_(0, meta.decode_token_idx, self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta))
-        for start, q_len, ctx, row in meta.prefills:
-            qs = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
-            if ctx == 0:
-                ks = k[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
-                vs = v[start : start + q_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                total = ctx + q_len
-                blocks = meta.block_tables[row, : -(-total // k_cache.shape[1])].long()
-                ks = k_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, d]
-                vs = v_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
-                # query i sits at position ctx + i and sees positions 0 .. ctx + i
-                mask = torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

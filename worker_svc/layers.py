@@ -18,6 +18,10 @@ from torch import nn
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
 
+# Which kernels a layer runs: "torch" (the reference), "triton" (our GPU kernels) or "cpu"
+# (our C++ kernels, kernels/cpu_ops.py).
+KERNELS = ("torch", "triton", "cpu")
+
 # A torch.Tensor or a safetensors PySafeSlice: both take `[a:b]` and `[:, a:b]`.
 Loaded = Any
 
@@ -39,17 +43,30 @@ def load_replicated(param: nn.Parameter, loaded: Loaded, shard_id: str | None = 
     copy_checked(param.data, loaded[:], "weight")
 
 
+def cpu_kernels_for(kernels: str) -> Any:
+    """The process's C++ kernels when `kernels` is "cpu" (built on first use), else None."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels != "cpu":
+        return None
+    from kernels.cpu_ops import cpu_kernels
+
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like the reference; with `residual`, adds it first.
 
     `forward(x, residual)` returns (normed, x + residual): the sum is the next layer's residual,
-    so the add and the norm read x once. `fused` runs the Triton kernel, same interface.
+    so the add and the norm read x once. `kernels` "triton" or "cpu" runs our kernel, same
+    interface (the CPU one writes the sum into `residual` itself).
     """
 
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
-        self.fused = fused
+        self.kernels = kernels
+        self._cpu = cpu_kernels_for(kernels)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = load_replicated  # type: ignore[attr-defined]
 
@@ -59,7 +76,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:
+        if self._cpu is not None:
+            return self._cpu.rms_norm(x, self.weight, self.eps, residual)  # type: ignore[no-any-return]
+        if self.kernels == "triton":
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -67,14 +86,17 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * d] -> [..., d]: silu(gate) * up (`fused`: one Triton kernel)."""
+    """[..., 2 * d] -> [..., d]: silu(gate) * up (`kernels` "triton" or "cpu": one kernel)."""
 
-    def __init__(self, fused: bool = False) -> None:
+    def __init__(self, kernels: str = "torch") -> None:
         super().__init__()
-        self.fused = fused
+        self.kernels = kernels
+        self._cpu = cpu_kernels_for(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self._cpu is not None:
+            return self._cpu.silu_and_mul(x)  # type: ignore[no-any-return]
+        if self.kernels == "triton":
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -50,6 +50,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def head_dim_of(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def load_config(model_dir: str | Path) -> Any:
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -78,11 +83,27 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, Loaded]]:
                 yield name, f.get_slice(name)
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """'auto' is triton on CUDA and torch on CPU (where Triton only has its slow interpreter)."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
+def resolve_attention_backend(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
+    """'auto' is triton on CUDA; on the CPU (where Triton only has its slow interpreter) it is
+    our C++ kernels when they build here and support the dtype and head size, else torch."""
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    from kernels.cpu_library import CpuKernelsUnavailable
+    from kernels.cpu_ops import ATTENTION_HEAD_DIMS, CPU_DTYPES, cpu_kernels
+
+    if dtype not in (None, *CPU_DTYPES) or head_dim not in (None, *ATTENTION_HEAD_DIMS):
+        return "torch"
+
+    try:
+        cpu_kernels()
+    except CpuKernelsUnavailable as error:
+        log.warning("cpu_kernels_unavailable", reason=str(error), fallback="torch")
+        return "torch"
+    return "cpu"
 
 
 def load_model(
@@ -99,6 +120,8 @@ def load_model(
         model = CausalLM(config, dtype, max_positions, attention_backend, group)
     model.load_weights(iter_weights(model_dir))
     model.eval()
+    if attention_backend == "cpu":
+        model.pack_linear_weights()
     log.info(
         "model_loaded",
         path=str(model_dir),

@@ -45,6 +45,15 @@ def process_logits(
     return out
 
 
+def processed_rows(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
+    """bool [len(rows)]: which of the plan rows `rows` have a bias or a penalized history."""
+    touched = np.zeros(rows.size, dtype=bool)
+    for offsets in (batch.bias_offsets, batch.history_offsets):
+        if offsets.size and int(offsets[-1]) > 0:
+            touched |= offsets[rows + 1] > offsets[rows]
+    return touched
+
+
 def _ragged(
     offsets: np.ndarray, tokens: np.ndarray, rows: np.ndarray, values: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

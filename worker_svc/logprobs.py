@@ -14,6 +14,7 @@ Result layout for a plan of n sequences, of which `rows` sampled, asking for `nu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +22,21 @@ import torch
 from common.plan import F32, I32
 
 
+def logits_stats(logits: torch.Tensor, cpu_kernels: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 argmax, float32 logsumexp) per row of raw logits [rows, vocab], of any float dtype.
+
+    A token's log-probability is then logits[r, t] - logsumexp[r], with no float32 copy of the
+    logits and no log_softmax over them. `cpu_kernels` (kernels.cpu_ops) does it in one pass.
+    """
+    if cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        return cpu_kernels.logits_stats(logits)  # type: ignore[no-any-return]
+    wide = logits.float()
+    return wide.argmax(dim=-1), torch.logsumexp(wide, dim=-1)
+
+
 def step_logprobs(
-    logits: torch.Tensor,  # float32 [len(rows), vocab], raw
+    logits: torch.Tensor,  # [len(rows), vocab], raw, any float dtype
+    lse: torch.Tensor,  # float32 [len(rows)] logsumexp of each row (logits_stats)
     tokens: torch.Tensor,  # int64 [len(rows)] the sampled tokens
     rows: np.ndarray,  # [len(rows)] which of the plan's sequences sampled
     num_logprobs: I32,  # [n] or empty (0 for every sequence)
@@ -36,13 +50,16 @@ def step_logprobs(
     top_lps = np.full((num_seqs, width), -np.inf, np.float32)
     if not len(rows):
         return chosen, top_ids, top_lps
-    lps = torch.log_softmax(logits.float(), dim=-1)  # [len(rows), vocab]
-    chosen[rows] = lps.gather(1, tokens.view(-1, 1)).squeeze(1).cpu().numpy()
+    chosen[rows] = (logits.gather(1, tokens.view(-1, 1)).squeeze(1).float() - lse).cpu().numpy()
     if width:
-        values, ids = lps.topk(width, dim=-1)  # [len(rows), width], sorted best first
-        keep = np.arange(width)[None, :] < asked[:, None]  # a row's own num_logprobs
-        top_ids[rows] = np.where(keep, ids.cpu().numpy(), -1)
-        top_lps[rows] = np.where(keep, values.cpu().numpy(), -np.inf)
+        asking = np.flatnonzero(asked > 0)
+        index = torch.from_numpy(asking).to(logits.device)
+        # The most likely tokens are the largest logits; log-probabilities are logits - lse.
+        values, ids = logits.index_select(0, index).float().topk(width, dim=-1)  # [asking, width], best first
+        values = values - lse.index_select(0, index)[:, None]
+        keep = np.arange(width)[None, :] < asked[asking, None]  # a row's own num_logprobs
+        top_ids[rows[asking]] = np.where(keep, ids.cpu().numpy(), -1)
+        top_lps[rows[asking]] = np.where(keep, values.cpu().numpy(), -np.inf)
     return chosen, top_ids, top_lps
 
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
-from worker_svc.layers import Loaded, RMSNorm, SiluAndMul
+from worker_svc.cpu_attention import CpuPagedAttention
+from worker_svc.layers import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup, check_splittable
 from worker_svc.rotary import RotaryEmbedding
 from worker_svc.tp_layers import (
@@ -24,11 +25,12 @@ from worker_svc.tp_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    can_pack_for_cpu,
     kv_head_range,
 )
 from worker_svc.triton_attention import TritonPagedAttention
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = KERNELS
 Backend = PagedAttentionBackend
 # Metadata of whichever backend built it; layers pass it through untouched.
 AttentionMetadata = Any
@@ -145,24 +147,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape, fused: bool, group: ParallelGroup) -> None:
+    def __init__(self, shape: ModelShape, kernels: str, group: ParallelGroup) -> None:
         super().__init__()
         inter = shape.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, inter, group, bias=shape.mlp_bias)
         self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias)
-        self.act = SiluAndMul(fused)
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool, group: ParallelGroup) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
         self.self_attn = Attention(shape, rotary, backend, group)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
-        self.mlp = MLP(shape, fused, group)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
+        self.mlp = MLP(shape, kernels, group)
 
     def forward(
         self,
@@ -179,18 +181,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, fused: bool, group: ParallelGroup) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, fused, group) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, fused)
+        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, kernels, group) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
 
 
 class CausalLM(nn.Module):
     """The decoder plus its LM head; `forward` returns hidden states, `compute_logits` logits.
 
     `attention_backend` "triton" runs attention, the KV store, RMSNorm, rotary and SiLU-and-mul
-    through our Triton kernels (matmuls stay with cuBLAS); "torch" keeps everything in torch.
+    through our Triton kernels (matmuls stay with cuBLAS); "cpu" runs them through our C++
+    kernels (matmuls with oneDNN, see `pack_linear_weights`); "torch" keeps everything in torch.
 
     `group` is this process's tensor-parallel group: the model holds that rank's shard and
     its forward calls the group's collectives (every rank of the group must run it).
@@ -210,17 +213,22 @@ class CausalLM(nn.Module):
         shape = ModelShape.from_config(config, group.world_size)
         self.shape = shape
         self.group = group
-        fused = attention_backend == "triton"
         self.rotary = RotaryEmbedding(
             config.get_text_config() if hasattr(config, "get_text_config") else config,
             shape.head_dim,
             max_positions or shape.max_position_embeddings,
             dtype,
-            fused,
+            attention_backend,
         )
-        backend_cls = TritonPagedAttention if fused else TorchPagedAttention
-        self.attention: Backend = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5)
-        self.model = DecoderModel(shape, self.rotary, self.attention, fused, group)
+        scale = shape.head_dim**-0.5
+        self.attention: Backend
+        if attention_backend == "cpu":
+            self.attention = CpuPagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale,
+                                               cpu_kernels_for("cpu"))
+        else:
+            backend_cls = TritonPagedAttention if attention_backend == "triton" else TorchPagedAttention
+            self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
+        self.model = DecoderModel(shape, self.rotary, self.attention, attention_backend, group)
         # A tied head reads the embedding's shard: no second copy, and no lm_head in the checkpoint.
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied)
@@ -241,9 +249,18 @@ class CausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 [n, vocab] (the full vocabulary, on every rank)."""
-        return self.lm_head(hidden)
+    def pack_linear_weights(self) -> None:
+        """Hand every linear weight to oneDNN in its GEMM layout, once (CPU, bfloat16)."""
+        for module in self.modules():
+            pack = getattr(module, "pack_for_cpu", None)
+            if pack is not None and can_pack_for_cpu(module.weight):
+                pack()
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] (the full vocabulary, on every rank): float32, or in the
+        model's dtype without `upcast`."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Hand every checkpoint tensor to its parameter's weight_loader; refuse gaps and strays.

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.rotary import apply_rotary
+from worker_svc.layers import cpu_kernels_for
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -42,11 +43,13 @@ def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float
 
 
 class RotaryEmbedding(nn.Module):
-    """`lookup` once per step, `rotate` per layer; `fused` rotates in place with the Triton kernel."""
+    """`lookup` once per step, `rotate` per layer; `kernels` "triton" or "cpu" rotates in place
+    with our kernel."""
 
-    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, fused: bool = False) -> None:
+    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, kernels: str = "torch") -> None:
         super().__init__()
-        self.fused = fused
+        self.fused = kernels != "torch"
+        self._cpu = cpu_kernels_for(kernels)
         inv_freq, factor = inverse_frequencies(config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
@@ -67,7 +70,12 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         if isinstance(rope, torch.Tensor):
-            apply_rotary(q, k, rope, self.cos, self.sin)
+            if self._cpu is not None:
+                # The runner checked the plan's positions against the context, which the
+                # tables cover (ModelRunner.check).
+                self._cpu.rotary(q, k, rope, self.cos, self.sin, bounds_checked=True)
+            else:
+                apply_rotary(q, k, rope, self.cos, self.sin)
             return q, k
         cos, sin = rope
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -7,6 +7,8 @@ needs comes in the plan, and its only memory is the weights and the KV-cache ten
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import structlog
@@ -16,17 +18,22 @@ from common.config import WorkerConfig
 from common.plan import SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from worker_svc import kv_cache
+from worker_svc.host_allocator import keep_freed_memory
 from worker_svc.kv_cache import KVCache
 from worker_svc.loader import (
+    head_dim_of,
+    load_config,
     load_model,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
 )
-from worker_svc.logprobs import prompt_logprobs, step_logprobs
-from worker_svc.logits_processor import process_logits
+from worker_svc.logits_processor import process_logits, processed_rows
+from worker_svc.logprobs import logits_stats, prompt_logprobs, step_logprobs
+from worker_svc.layers import cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.sampler import sample
+from worker_svc.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
 
@@ -43,9 +50,14 @@ class ModelRunner:
         self.config = config
         self.group = group
         self.device = resolve_device(config.device)
+        keep_freed_memory()  # before the model's first allocations (see worker_svc.host_allocator)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, self.dtype, head_dim_of(load_config(config.model))
+        )
         self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
+        self._cpu_kernels = cpu_kernels_for(self.attention_backend)
+        self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
         self.shape = self.model.shape
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
@@ -171,8 +183,9 @@ class ModelRunner:
             if np.unique(ops[:, 1]).size != len(ops):
                 raise PlanError(f"{name} writes a {pools[1][0]} block twice")
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, np.ndarray]:
-        """Hidden states of every fed token [tokens, hidden], and query start offsets [seqs + 1]."""
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, Any, np.ndarray]:
+        """(input ids, positions, attention metadata) of the forward pass, and query start
+        offsets [seqs + 1]."""
         n, q, c, bs = plan.num_seqs, plan.query_lens, plan.context_lens, self.block_size
         starts = self.model.attention.query_starts(q).astype(np.int64)
         # token t of sequence i sits at position c[i] + (t - starts[i])
@@ -181,50 +194,76 @@ class ModelRunner:
         slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
         input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(self.device)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), self.kv.layers, meta)
-        return hidden, starts
+        return input_ids, torch.from_numpy(positions).to(self.device), meta, starts
+
+    def _section(self, part: str) -> AbstractContextManager[None]:
+        return self._profile.section(part) if self._profile is not None else nullcontext()
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits of every fed token (tests compare them with the reference)."""
         self.check(plan)
-        hidden, _ = self._forward(plan)
-        return self.model.compute_logits(hidden)
+        input_ids, positions, meta, _ = self._inputs(plan)
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv.layers, meta))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        self.check(plan)
-        # The plan's order (common.plan.StepPlan): copies come last because their source may
-        # be a block swapped in this step.
-        self.kv.swap_out(plan.swap_out)
-        self.kv.swap_in(plan.swap_in)
-        self.kv.copy(plan.copy)
-        sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
+        with self._section("prepare"):
+            self.check(plan)
+            # The plan's order (common.plan.StepPlan): copies come last because their source
+            # may be a block swapped in this step.
+            self.kv.swap_out(plan.swap_out)
+            self.kv.swap_in(plan.swap_in)
+            self.kv.copy(plan.copy)
+            sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
+            if plan.num_seqs:
+                input_ids, positions, meta, starts = self._inputs(plan)
         if plan.num_seqs == 0:
-            return StepResult(plan.step_id, sampled, time.perf_counter() - start)
-        hidden, starts = self._forward(plan)
+            return StepResult(plan.step_id, sampled, time.perf_counter() - start, part_seconds=self._parts())
+        with self._section("forward"):
+            hidden = self.model(input_ids, positions, self.kv.layers, meta)
         rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
         dev = self.device
         last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
-        logits = self.model.compute_logits(hidden.index_select(0, last))  # [len(rows), vocab]
-        s = plan.sampling
-
-        def pick(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a[rows])).to(dev)
-
-        processed = process_logits(logits, s, rows)
-        min_p = pick(s.min_p) if s.min_p.size else None
-        tokens = sample(processed, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed), pick(s.output_position), min_p)
-        sampled[rows] = tokens.cpu().numpy()
-        logprobs, top_ids, top_lps = step_logprobs(logits, tokens, rows, s.num_logprobs, plan.num_seqs)
+        logits = self.model.compute_logits(hidden.index_select(0, last), upcast=False)  # [len(rows), vocab]
+        with self._section("sampling"):
+            s = plan.sampling
+            tokens, lse = self._sample(logits, s, rows)
+            sampled[rows] = tokens.cpu().numpy()
+            logprobs, top_ids, top_lps = step_logprobs(logits, lse, tokens, rows, s.num_logprobs, plan.num_seqs)
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
             fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
             values = prompt_logprobs(self.model.compute_logits, hidden, starts, plan.input_ids, s.prompt_logprobs,
                                      s.prompt_next_token)
             prompt = dict(zip(fields, values))
-        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps, **prompt)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps,
+                          part_seconds=self._parts(), **prompt)
+
+    def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""
+        argmax, lse = logits_stats(logits, self._cpu_kernels)
+        # Rows whose token is not simply the argmax of the raw logits: drawn at random, or
+        # with logit processing (bias, min_tokens bans, penalties). Only they go to float32.
+        slow = np.flatnonzero((s.temperature[rows] > 0) | processed_rows(s, rows)) if rows.size else rows
+        if not slow.size:
+            return argmax, lse
+        sub = rows[slow]
+        dev = logits.device
+        index = torch.from_numpy(slow).to(dev)
+
+        def pick(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a[sub])).to(dev)
+
+        processed = process_logits(logits.index_select(0, index).float(), s, sub)
+        min_p = pick(s.min_p) if s.min_p.size else None
+        drawn = sample(processed, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed),
+                       pick(s.output_position), min_p)
+        return argmax.index_copy(0, index, drawn), lse
+
+    def _parts(self) -> dict[str, float]:
+        return self._profile.take() if self._profile is not None else {}
 
 def _profile_plan(tokens: int, blocks: int, vocab_size: int) -> StepPlan:
     """One sequence of `tokens` random tokens, sampled at the end: the largest step we plan."""

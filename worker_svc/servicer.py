@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,10 +48,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is already driven by a scheduler")
         log.info("step_stream_opened", peer=context.peer())
         loop = asyncio.get_running_loop()
+        profile = self._runner.config.profile_steps
+        last_encode = 0.0  # seconds the previous result took to encode, reported with the next
         try:
             async for msg in request_iterator:
                 try:
+                    decode_start = time.perf_counter()
                     plan = wire.step_plan(msg)
+                    decode_seconds = time.perf_counter() - decode_start
                     result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
                     if self._metrics is not None:
                         self._metrics.observe(plan, result.execute_seconds)
@@ -67,7 +72,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                   step_id=msg.step_id, reason=str(error))
                         os._exit(3)
                     raise
-                yield wire.step_result(result)
+                if profile:
+                    result.part_seconds.update(plan_decode=decode_seconds, result_encode=last_encode)
+                encode_start = time.perf_counter()
+                reply = wire.step_result(result)
+                last_encode = time.perf_counter() - encode_start
+                yield reply
         finally:
             self._stream_lock.release()
             log.info("step_stream_closed", peer=context.peer())

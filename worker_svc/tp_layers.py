@@ -24,6 +24,11 @@ its range embed to zero before the all-reduce, and the gathered logits are cut b
 
 With tp = 1 every layer is one F.linear / F.embedding over the whole weight, exactly what the
 single-process worker computed before.
+
+On the CPU, `pack_for_cpu` hands a bfloat16 weight to oneDNN once, in the blocked layout its
+AMX/AVX-512 GEMMs read (`mkldnn._reorder_linear_weight`), instead of F.linear reordering it on
+every call; the result is the same, bit for bit. The plain copy is then dropped (except the
+embedding's, which a tied LM head shares).
 """
 
 from __future__ import annotations
@@ -57,6 +62,30 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+# The M the packed layout is tuned for; any M works (a typical decode batch).
+_PACK_BATCH_HINT = 64
+
+
+def can_pack_for_cpu(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can hold this weight packed: a bfloat16 CPU weight, with oneDNN built in."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _drop(param: nn.Parameter) -> None:
+    """Free a weight whose packed copy replaces it (the parameter stays, empty)."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
 class ColumnParallelLinear(nn.Module):
     """y[..., local outputs] = x W_r^T + b_r: this rank's output rows; the output stays split.
 
@@ -70,6 +99,7 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(s.size for s in shards.values())
         self.weight = _param(out_local, in_features)  # [out / tp, in]
         self.bias = _param(out_local) if bias else None
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -95,8 +125,12 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"{what}: checkpoint tensor has {rows} rows, the model wants {shard.total}")
         copy_checked(param.data[offset : offset + shard.size], loaded[shard.start : shard.start + shard.size], what)
 
+    def pack_for_cpu(self) -> None:
+        self.packed = _pack(self.weight)
+        _drop(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.packed, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -139,6 +173,7 @@ class RowParallelLinear(nn.Module):
         self.shard = _even(in_features, group, "input features")
         self.weight = _param(out_features, self.shard.size)  # [out, in / tp]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu
         self.bias = _param(out_features) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = load_replicated  # type: ignore[attr-defined]
@@ -149,11 +184,15 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"weight: checkpoint tensor has shape {shape}, the model wants [{param.shape[0]}, {self.shard.total}]")
         copy_checked(param.data, loaded[:, self.shard.start : self.shard.start + self.shard.size], "weight")
 
+    def pack_for_cpu(self) -> None:
+        self.packed = _pack(self.weight)
+        _drop(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return _linear(x, self.weight, self.packed, self.bias)
         # The bias joins after the reduce: added on every rank before it, it would count tp times.
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(_linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -199,14 +238,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, tied: VocabParallelEmbedding | None = None) -> None:
         if tied is None:
             super().__init__(vocab_size, hidden_size, group)
-            return
-        nn.Module.__init__(self)
-        self.group, self.vocab_size, self.shard = group, vocab_size, tied.shard
-        self.weight = tied.weight  # the same Parameter: loaded once, as the embedding
+        else:
+            nn.Module.__init__(self)
+            self.group, self.vocab_size, self.shard = group, vocab_size, tied.shard
+            self.weight = tied.weight  # the same Parameter: loaded once, as the embedding
+        self.tied = tied is not None
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu
+
+    def pack_for_cpu(self) -> None:
+        self.packed = _pack(self.weight)
+        if not self.tied:  # a tied weight still embeds the input ids
+            _drop(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """[n, hidden] -> float32 [n, vocab]."""
-        logits = F.linear(hidden, self.weight)  # [n, V' / tp]
+        """[n, hidden] -> [n, vocab] in the weight's dtype."""
+        logits = _linear(hidden, self.weight, self.packed)  # [n, V' / tp]
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, -1)[:, : self.vocab_size]
-        return logits.float()
+        return logits

@@ -79,6 +79,7 @@ def step_result(result: StepResult) -> worker_pb.StepResult:
         prompt_top_token_ids=pack(result.prompt_top_token_ids, np.int32),
         prompt_top_logprobs=pack(result.prompt_top_logprobs, np.float32),
         prompt_top_width=result.prompt_top_token_ids.shape[1],
+        part_seconds=result.part_seconds,
     )
 
 

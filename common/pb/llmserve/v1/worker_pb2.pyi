@@ -1,3 +1,4 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -102,7 +103,14 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width")
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds")
+    class PartSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +123,7 @@ class StepResult(_message.Message):
     PROMPT_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     execute_seconds: float
@@ -127,4 +136,5 @@ class StepResult(_message.Message):
     prompt_top_token_ids: bytes
     prompt_top_logprobs: bytes
     prompt_top_width: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ...) -> None: ...
+    part_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ..., part_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -1,0 +1,83 @@
+"""Paged attention on the CPU through our C++ kernels (kernels/cpu_ops.py).
+
+Same two calls as the torch backend (see worker_svc/attention.py). Per layer: `store_kv`
+writes this step's K/V into the cache; then
+
+  - the decodes (one query token each) are read straight from the paged cache by
+    `paged_attention`, in one call for the whole step, with no gathered copy;
+  - every longer query (a fresh prompt, a later chunk of one, a prefix-cache hit) goes to
+    torch's flash attention for CPU (`attend_prefills`): its blocked AMX/AVX-512 GEMMs beat a
+    vector kernel by far once a query has many rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.cpu_ops import CpuKernels
+from worker_svc.attention import PagedAttentionBackend, attend_prefills
+
+
+@dataclass(frozen=True)
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
+    block_tables: torch.Tensor  # int32 [seqs, width]
+    query_start: torch.Tensor  # int32 [seqs] first query row of each sequence
+    decode_lens: torch.Tensor  # int32 [seqs] 1 for a decode, 0 for a sequence attended by SDPA
+    seq_lens: torch.Tensor  # int32 [seqs] tokens in the cache after this step
+    # (first token, query length, context length, row) of every longer query.
+    prefills: tuple[tuple[int, int, int, int], ...]
+    any_decode: bool
+
+
+class CpuPagedAttention(PagedAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: CpuKernels) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels
+
+    def build_metadata(
+        self,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> CpuAttentionMetadata:
+        starts = self.query_starts(query_lens)[:-1]
+        is_decode = query_lens == 1
+        return CpuAttentionMetadata(
+            slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+            query_start=torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int32)),
+            decode_lens=torch.from_numpy(is_decode.astype(np.int32)),
+            seq_lens=torch.from_numpy((context_lens + query_lens).astype(np.int32)),
+            prefills=tuple(
+                (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(~is_decode)
+            ),
+            any_decode=bool(is_decode.any()),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: CpuAttentionMetadata,
+    ) -> torch.Tensor:
+        # The runner checked the plan's block tables against the cache (ModelRunner.check).
+        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, bounds_checked=True)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.any_decode:
+            self.kernels.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.decode_lens, meta.seq_lens, self.scale, out
+            )
+        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
+        return out
