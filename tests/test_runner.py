@@ -117,3 +117,22 @@ def test_inconsistent_plan_arrays_are_refused(model: tuple[LlamaForCausalLM, Mod
     broken = type(plan)(**{**plan.__dict__, "query_lens": np.array([3], np.int32)})
     with pytest.raises(PlanError, match="sum of query_lens"):
         runner.execute(broken)
+
+
+def test_cpu_steps_are_padded_to_gemm_buckets_without_changing_a_token(cpu_model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    _, runner = cpu_model
+    assert runner._gemm_buckets is not None and runner._gemm_buckets.pad(5) == 8
+    # 3 + 1 + 1 = 5 tokens run as 8 rows; 2 of 3 sequences sample (LM head rows padded to 2).
+    feeds = [Feed(0, [5, 6, 7], 0, [1]), Feed(1, [9], 4, [2]), Feed(2, [11], 0, [3])]
+    padded_logits = runner.logits(make_plan(0, feeds))
+    padded = runner.execute(make_plan(1, feeds))
+    buckets, runner._gemm_buckets = runner._gemm_buckets, None
+    try:
+        exact_logits = runner.logits(make_plan(2, feeds))
+        exact = runner.execute(make_plan(3, feeds))
+    finally:
+        runner._gemm_buckets = buckets
+    assert padded_logits.shape == exact_logits.shape == (5, 200)
+    torch.testing.assert_close(padded_logits, exact_logits, atol=1e-5, rtol=0)
+    assert np.array_equal(padded.sampled_token_ids, exact.sampled_token_ids)
+    np.testing.assert_allclose(padded.logprobs, exact.logprobs, atol=1e-5)

@@ -31,6 +31,7 @@ class CpuAttentionMetadata:
     # (first token, query length, context length, row) of every longer query.
     prefills: tuple[tuple[int, int, int, int], ...]
     any_decode: bool
+    num_tokens: int  # the step's tokens; rows past them pad the batch (worker_svc/step_buckets.py)
 
 
 class CpuPagedAttention(PagedAttentionBackend):
@@ -61,6 +62,7 @@ class CpuPagedAttention(PagedAttentionBackend):
                 (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(~is_decode)
             ),
             any_decode=bool(is_decode.any()),
+            num_tokens=int(query_lens.sum()),
         )
 
     def forward(
@@ -75,6 +77,7 @@ class CpuPagedAttention(PagedAttentionBackend):
         # The runner checked the plan's block tables against the cache (ModelRunner.check).
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, bounds_checked=True)
         out = torch.empty(q.shape, dtype=q.dtype)
+        out[meta.num_tokens :].zero_()  # padding rows: attended by no sequence
         if meta.any_decode:
             self.kernels.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.decode_lens, meta.seq_lens, self.scale, out

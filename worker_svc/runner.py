@@ -33,6 +33,7 @@ from worker_svc.logprobs import logits_stats, prompt_logprobs, step_logprobs
 from worker_svc.layers import cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.sampler import sample
+from worker_svc.step_buckets import gemm_buckets, pad_rows
 from worker_svc.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
+        # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
+        self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
         self.shape = self.model.shape
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
@@ -185,16 +188,20 @@ class ModelRunner:
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, Any, np.ndarray]:
         """(input ids, positions, attention metadata) of the forward pass, and query start
-        offsets [seqs + 1]."""
+        offsets [seqs + 1]. On the CPU kernels the rows are padded to a GEMM bucket
+        (worker_svc/step_buckets.py); the forward pass then returns that many rows."""
         n, q, c, bs = plan.num_seqs, plan.query_lens, plan.context_lens, self.block_size
         starts = self.model.attention.query_starts(q).astype(np.int64)
         # token t of sequence i sits at position c[i] + (t - starts[i])
         seq_of_token = np.repeat(np.arange(n), q)
         positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)
         slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = plan.input_ids.astype(np.int64)
+        if self._gemm_buckets is not None:
+            rows = self._gemm_buckets.pad(plan.num_tokens)
+            input_ids, positions, slots = pad_rows(input_ids, rows, 0), pad_rows(positions, rows, 0), pad_rows(slots, rows, -1)
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
-        input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(self.device)
-        return input_ids, torch.from_numpy(positions).to(self.device), meta, starts
+        return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), meta, starts
 
     def _section(self, part: str) -> AbstractContextManager[None]:
         return self._profile.section(part) if self._profile is not None else nullcontext()
@@ -204,7 +211,7 @@ class ModelRunner:
         """float32 logits of every fed token (tests compare them with the reference)."""
         self.check(plan)
         input_ids, positions, meta, _ = self._inputs(plan)
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv.layers, meta))
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv.layers, meta)[: plan.num_tokens])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -225,8 +232,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv.layers, meta)
         rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
         dev = self.device
-        last = torch.from_numpy(starts[1:][rows] - 1).to(dev)
-        logits = self.model.compute_logits(hidden.index_select(0, last), upcast=False)  # [len(rows), vocab]
+        last = starts[1:][rows] - 1
+        if self._gemm_buckets is not None:
+            last = pad_rows(last, self._gemm_buckets.pad(rows.size), 0)
+        # [len(rows), vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(last).to(dev)), upcast=False)[: rows.size]
         with self._section("sampling"):
             s = plan.sampling
             tokens, lse = self._sample(logits, s, rows)
