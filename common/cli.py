@@ -105,6 +105,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request (default 16)")
     p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (default 20)")
     p.add_argument("--max-n", type=int, default=16, help="most outputs, best_of candidates or beams per request (default 16)")
+    p.add_argument(
+        "--no-plan-ahead", dest="plan_ahead", action="store_false",
+        help="plan each step only after the previous step's result (default: plan it while that step runs)",
+    )
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -298,6 +302,7 @@ def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         max_stop_strings=a.max_stop_strings,
         max_logprobs=a.max_logprobs,
         max_n=a.max_n,
+        plan_ahead=a.plan_ahead,
         # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
         block_size=a.block_size,
     )

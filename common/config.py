@@ -71,6 +71,8 @@ class SchedulerConfig:
     # Tokens per KV block every worker group must use; 0 = whatever the first group reports
     # (later groups must then match it: prefix hashes and routing assume one block size).
     block_size: int = 0
+    # Plan the next step while the current one runs, when its result cannot change that plan.
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")

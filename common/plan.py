@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+# An input token the scheduler does not know yet: the token the worker sampled for the same
+# sequence in its previous step (the scheduler planned this step before that one's result came).
+DEFERRED_INPUT = -1
+
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
 F32 = npt.NDArray[np.float32]
@@ -82,7 +86,7 @@ class StepPlan:
     seq_ids: I64  # [num_seqs]
     query_lens: I32  # [num_seqs] tokens fed this step
     context_lens: I32  # [num_seqs] tokens already in the KV cache
-    input_ids: I32  # [sum(query_lens)]
+    input_ids: I32  # [sum(query_lens)]; DEFERRED_INPUT (only as a sequence's last fed token)
     block_tables: I32  # [num_seqs, width], padded with -1 past each sequence's blocks
     sample: U8  # [num_seqs] 1 where this step's last token yields a new sampled token
     sampling: SamplingBatch = field(default_factory=SamplingBatch.empty)

@@ -5,8 +5,9 @@ scheduler and block manager and a loop task that is the only code touching them:
 
     while True:
         apply queued adds and aborts          (handlers only append to the group's inbox)
-        plan = scheduler.schedule()
-        result = await worker.execute(plan)   (the only await while state is mid-step)
+        plan = scheduler.schedule(); send it  (and the next one too, if it can be planned
+                                               before this one's result: two in flight)
+        result = await the oldest plan's result
         events = scheduler.update(plan, result)
         detokenize, match stop strings, stream to each request's queue
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -28,6 +30,7 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Aborted, Unavailable
 from common.model_spec import ModelSpec
+from common.plan import StepPlan
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.metrics import SchedulerMetrics
@@ -38,7 +41,7 @@ from scheduler_svc.router import Router
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.step_reporter import StepReporter
-from scheduler_svc.worker_client import WorkerLink, WorkerLost
+from scheduler_svc.worker_client import PipelinedLink, WorkerLink, WorkerLost
 
 log = structlog.get_logger(__name__)
 
@@ -194,7 +197,7 @@ class Fleet:
                 await asyncio.sleep(4.0)
             return
         replica.info = info
-        replica.reported = (0, 0, 0)
+        replica.reported = (0, 0, 0, 0)
         replica.scheduler = Scheduler(
             self.config,
             BlockManager(
@@ -317,21 +320,37 @@ class Fleet:
                 raise
 
     async def _loop(self, replica: Replica, scheduler: Scheduler) -> None:
+        worker = replica.worker
+        # A link that takes a plan before the last result (PipelinedLink) gets the next step as
+        # soon as the scheduler can plan it: the worker then goes from one step to the next
+        # without waiting for the scheduler. Others run one step at a time.
+        depth = 2 if self.config.plan_ahead and isinstance(worker, PipelinedLink) else 1
+        in_flight: deque[tuple[StepPlan, float]] = deque()  # plans sent, and their build seconds
         while True:
             if not replica.attached:
                 raise WorkerLost(f"group {replica.name} deregistered")
             replica.wake.clear()
             self._apply_inbox(replica, scheduler)
             self._reporter.publish_gauges(replica, self.serving)
-            build_start = time.perf_counter()
-            plan = scheduler.schedule() if scheduler.has_work else None
-            if plan is None:
+            while len(in_flight) < depth:
+                build_start = time.perf_counter()
+                plan = scheduler.schedule() if scheduler.has_work else None
+                if plan is None:
+                    break
+                plan_build = time.perf_counter() - build_start
+                self._reporter.observe_admissions(scheduler)
+                if depth > 1:
+                    await worker.submit(plan)  # type: ignore[attr-defined]
+                in_flight.append((plan, plan_build))
+            if not in_flight:
                 await replica.wake.wait()
                 continue
-            plan_build = time.perf_counter() - build_start
-            self._reporter.observe_admissions(scheduler)
+            plan, plan_build = in_flight.popleft()
             with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
-                result, timing = await replica.worker.execute(plan)
+                if depth > 1:
+                    result, timing = await worker.receive(plan)  # type: ignore[attr-defined]
+                else:
+                    result, timing = await worker.execute(plan)
                 update_start = time.perf_counter()
                 events = scheduler.update(plan, result)
                 self._reporter.emit(scheduler, events)

@@ -56,6 +56,9 @@ class SchedulerMetrics:
             "llmserve:step_roundtrip_seconds", "Plan sent to result received, per step.", _SECONDS_BUCKETS
         )
         self.steps = counter("llmserve:steps", "Steps executed (all worker groups).")
+        self.planned_ahead = counter(
+            "llmserve:steps_planned_ahead", "Steps planned and sent while the step before them still ran."
+        )
         # Where step time goes, by part: the scheduler's own (plan_build, plan_encode, transport,
         # result_decode, update) always; the worker's (worker_svc.step_profile) when it profiles.
         self._step_parts = Counter(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.plan import SamplingBatch, StepPlan
+from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import Sequence
 
@@ -44,15 +44,19 @@ class PlanBuilder:
         st = self._static
         q = np.array(query_lens, dtype=np.int32)
         computed = [s.num_computed_tokens for s in seqs]
+        # A token a plan in flight will sample (Sequence.pending) is fed as DEFERRED_INPUT: the
+        # worker takes what it sampled for that sequence in the step before.
         if n and max(query_lens) == 1:
-            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, computed)], dtype=np.int32)
+            input_ids = np.array([s.token_ids[c] if c < len(s.token_ids) else DEFERRED_INPUT
+                                  for s, c in zip(seqs, computed)], dtype=np.int32)
         else:
             flat: list[int] = []
             for s, c, k in zip(seqs, computed, query_lens):
                 flat.extend(s.token_ids[c : c + k])
+                flat.extend([DEFERRED_INPUT] * (c + k - max(c, len(s.token_ids))))
             input_ids = np.array(flat, dtype=np.int32)
         context_lens = np.array(computed, dtype=np.int32)
-        num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
+        num_tokens = np.array([len(s.token_ids) + s.pending for s in seqs], dtype=np.int32)
         ends = context_lens + q
         sample = (ends == num_tokens).astype(np.uint8)
         bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
@@ -108,7 +112,7 @@ def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np
     for i in rows:
         seq = seqs[i]
         pairs = list(seq.sampling.logit_bias)
-        if seq.num_output_tokens < seq.stopping.min_tokens:
+        if seq.num_output_tokens + seq.pending < seq.stopping.min_tokens:
             pairs += [(t, float("-inf")) for t in sorted(seq.stop_ids)]
         counts[i + 1] = len(pairs)
         ids.extend(t for t, _ in pairs)

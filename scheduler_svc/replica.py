@@ -36,8 +36,9 @@ class Replica:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     stats: EngineStats = field(default_factory=EngineStats)
-    # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits).
-    reported: tuple[int, int, int] = (0, 0, 0)
+    # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits,
+    # steps planned ahead).
+    reported: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def ready(self) -> bool:

@@ -7,6 +7,8 @@ RESOURCE_EXHAUSTED (DESIGN.md section 2).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -84,6 +86,16 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # every prompt token after the first, first message only
     stop_sequence: str = ""  # the stop string that matched (STOP_SEQUENCE)
     stop_token_id: int | None = None  # the token that ended the output (STOP)
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This piece and the next of the same output as one (the later one's totals)."""
+        return dataclasses.replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True)

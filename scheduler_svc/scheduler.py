@@ -9,6 +9,16 @@ The unit is a request's `SequenceGroup`. Every queue is ordered by the group's p
 (the batching, admission and preemption policy is described there); this class owns the
 queues, preempts, and applies results: sampled tokens, stop conditions, beam steps.
 
+Planning ahead: while one plan is in flight, `schedule()` may already return the next one, so
+the worker never waits for the scheduler between steps. It assumes the plan in flight is done:
+its sequences count its tokens as computed, and each token it samples becomes pending
+(`Sequence.pending`), fed to the next step as a deferred input the worker fills in from its
+previous step. It does this only when the outcome cannot change the plan: no sequence of the
+plan in flight is forked, a beam, penalized (its history would lack the token) or scoring its
+prompt; no block would run short (no preemption); no higher-priority group waits. Otherwise it
+returns None and the engine waits for the result. A sequence that ends on the token in flight
+(eos, stop) wastes its row of the step planned ahead; `update` of that step skips it.
+
 Why this cannot thrash or livelock:
   - the victim of a preemption is always the group last in line, so the group first in line
     is never preempted while another runs, and always progresses;
@@ -23,7 +33,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from common.config import SchedulerConfig
@@ -52,6 +64,19 @@ class TokenEvent(NamedTuple):
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass
+class _InFlight:
+    """A plan sent to the worker whose result has not been applied yet."""
+
+    step_id: int
+    seqs: list[Sequence]
+    plan: StepPlan
+    # Set when the next plan was planned ahead of this one's result: its sequences' computed
+    # tokens were advanced then, and these rows' sampled tokens made pending.
+    advanced: bool = False
+    pending_rows: list[int] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -76,7 +101,7 @@ class Scheduler:
         # scheduler (recovery) without its sequence ids colliding there.
         self._ids: Iterator[int] = seq_ids if seq_ids is not None else itertools.count()
         self._next_step_id = 0
-        self._in_flight: tuple[int, list[Sequence]] | None = None
+        self._in_flight: deque[_InFlight] = deque()  # at most two: one running, one planned ahead
         self._last_preempt_step = -1
         # Groups admitted from waiting by the last schedule() (the engine times their queueing).
         self.admitted: list[SequenceGroup] = []
@@ -90,6 +115,7 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_planned_ahead = 0
 
     # ---- queue changes (called by the engine loop between steps) ----
 
@@ -184,7 +210,10 @@ class Scheduler:
         self.swapped.clear()
         self._groups.clear()
         self.running_slots = 0
-        self._in_flight = None
+        for record in self._in_flight:
+            for seq in record.seqs:
+                seq.pending = 0  # lost with the worker; computed again elsewhere
+        self._in_flight.clear()
         self.block_manager.take_ops()
         return groups
 
@@ -209,6 +238,7 @@ class Scheduler:
 
     def _end_seq(self, seq: Sequence, reason: FinishReason) -> None:
         self.block_manager.free(seq.seq_id)
+        seq.pending = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
@@ -225,9 +255,10 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> StepPlan | None:
-        """Pick this step's work; None when there is nothing to run."""
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called again before update() of the previous plan")
+        """Pick this step's work; None when there is nothing to run, or when a plan is in flight
+        and the next one cannot be planned before its result (see the module docstring)."""
+        if len(self._in_flight) > 1 or (self._in_flight and not self._plan_ahead(self._in_flight[-1])):
+            return None
         self.admitted.clear()
         seqs, query_lens = self._planner.pick()
         # An empty plan still carries pending block operations, and after a preemption it
@@ -236,8 +267,51 @@ class Scheduler:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        self._in_flight = (step_id, seqs)
-        return self._builder.build(step_id, seqs, query_lens)
+        self.num_planned_ahead += bool(self._in_flight)
+        plan = self._builder.build(step_id, seqs, query_lens)
+        self._in_flight.append(_InFlight(step_id, seqs, plan))
+        return plan
+
+    def _plan_ahead(self, record: _InFlight) -> bool:
+        """Advance the state past the plan in flight, if the next plan cannot depend on its
+        result; False (state unchanged) if it can."""
+        head = self._planner.head()
+        if head is not None and self.running and head.priority < self.running[-1].priority:
+            return False  # it might preempt: wait for the result
+        if record.advanced:
+            return self._planner.running_need() <= self.block_manager.num_free_blocks
+        for seq in record.seqs:
+            if seq.is_finished:
+                continue
+            group = seq.group
+            assert group is not None
+            if group.width > 1 or seq.sampling.penalized or seq.sampling.prompt_logprobs is not None:
+                return False
+        saved = [s.num_computed_tokens for s in record.seqs]
+        self._advance(record)
+        if self._planner.running_need() > self.block_manager.num_free_blocks:
+            for seq, computed in zip(record.seqs, saved):  # no preemption ahead of a result
+                seq.num_computed_tokens = computed
+            for i in record.pending_rows:
+                record.seqs[i].pending -= 1
+            record.advanced, record.pending_rows = False, []
+            return False
+        return True
+
+    def _advance(self, record: _InFlight) -> None:
+        """Count the plan in flight as computed; its sampled tokens become pending."""
+        plan = record.plan
+        for i, (seq, c, q, sample) in enumerate(
+            zip(record.seqs, plan.context_lens.tolist(), plan.query_lens.tolist(), plan.sample.tolist())
+        ):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = c + q
+            # The last token the sequence may have needs no step after it.
+            if sample and len(seq.token_ids) + 1 < seq.token_limit:
+                seq.pending += 1
+                record.pending_rows.append(i)
+        record.advanced = True
 
     def preempt(self, group: SequenceGroup) -> PreemptionMode:
         """Give back the group's device blocks, by swap or recompute; it keeps its place in line."""
@@ -271,12 +345,12 @@ class Scheduler:
         return mode
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
-        """Apply the worker's result of `plan`: advance the caches, append sampled tokens."""
-        if self._in_flight is None or self._in_flight[0] != plan.step_id or result.step_id != plan.step_id:
+        """Apply the worker's result of `plan` (the oldest plan in flight): advance the caches,
+        append sampled tokens."""
+        if not self._in_flight or self._in_flight[0].step_id != plan.step_id or result.step_id != plan.step_id:
             raise RuntimeError(f"update() for step {plan.step_id} does not match the plan in flight")
-        _, seqs = self._in_flight
-        self._in_flight = None
-        return self._apply(seqs, plan, result)
+        record = self._in_flight.popleft()
+        return self._apply(record, plan, result)
 
     def fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
         """A new sequence of the parent's group sharing all its blocks."""
@@ -289,11 +363,14 @@ class Scheduler:
 
     # ---- applying a result ----
 
-    def _apply(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+    def _apply(self, record: _InFlight, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        seqs = record.seqs
         bm = self.block_manager
         bs = bm.block_size
         events: list[TokenEvent] = []
         query_lens = plan.query_lens.tolist()
+        context_lens = plan.context_lens.tolist()
+        pending_rows = set(record.pending_rows)
         sample = plan.sample.tolist()
         sampled = result.sampled_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs.shape[0] == len(seqs) else [0.0] * len(seqs)
@@ -303,12 +380,16 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             if seq.status is not running:
                 continue
-            c = seq.num_computed_tokens
-            e = seq.num_computed_tokens = c + query_lens[i]
+            c = context_lens[i]
+            e = c + query_lens[i]
+            if not record.advanced:  # else counted when the next plan was planned ahead
+                seq.num_computed_tokens = e
             if e // bs != c // bs:  # a block filled up: index it
                 bm.commit(seq.seq_id, seq.token_ids, e)
             if not sample[i]:
                 continue
+            if i in pending_rows:
+                seq.pending -= 1
             if seq.sampling.beam_width > 1:
                 assert seq.group is not None
                 beam_rows.setdefault(seq.group, []).append(i)

@@ -89,6 +89,10 @@ class Sequence:
     seed: int | None = None  # None: the request's seed
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens a plan in flight will sample for this sequence, not known yet: the scheduler
+    # planned the next step past them (Scheduler.schedule while a plan is in flight), and that
+    # step feeds the first of them as a deferred input. 0 or 1.
+    pending: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0

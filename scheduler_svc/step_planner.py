@@ -54,7 +54,7 @@ class StepPlanner:
                 # runs for every decoding sequence of every step).
                 seq = group.seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1:
+                if len(seq.token_ids) + seq.pending - c == 1:
                     table = tables[seq.seq_id]
                     k = c // bs
                     if k < len(table) and ref[table[k]] == 1:
@@ -110,7 +110,7 @@ class StepPlanner:
                 if not self._share_leader_prefix(group, live[0], seq):
                     complete = False
                     continue
-            left = seq.num_tokens - seq.num_computed_tokens
+            left = seq.num_tokens + seq.pending - seq.num_computed_tokens
             q = min(left, budget)
             if group.needs_fork:
                 q = min(q, left - 1)  # stop before the last prompt token: the fork happens there
@@ -139,7 +139,7 @@ class StepPlanner:
             self.s.fork(parent, index, group.sampling.sample_seed(index))
         group.forked = True
 
-    def _head(self) -> SequenceGroup | None:
+    def head(self) -> SequenceGroup | None:
         """The next group in line to resume or admit."""
         w = self.s.waiting[0] if self.s.waiting else None
         s = self.s.swapped[0] if self.s.swapped else None
@@ -184,31 +184,42 @@ class StepPlanner:
         reserve += self.watermark_blocks if self.s.running else 0
         return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
 
-    def _running_need(self, budget: int) -> int:
+    def running_need(self, budget: int | None = None) -> int:
         """Blocks the running groups take this step, at most (read-only, unlike `_rows`)."""
         bm = self.bm
+        budget = self.s.config.max_num_batched_tokens if budget is None else budget
+        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
         need = 0
         for group in self.s.running:
+            if group.width == 1:
+                # pick()'s fast path: a decode into a block the sequence owns alone takes none.
+                seq = group.seqs[0]
+                c = seq.num_computed_tokens
+                if len(seq.token_ids) + seq.pending - c == 1:
+                    table = tables[seq.seq_id]
+                    k = c // bs
+                    if k < len(table) and ref[table[k]] == 1:
+                        continue
             for seq in group.live():
                 c = seq.num_computed_tokens
-                q = min(seq.num_tokens - c, budget)
+                q = min(seq.num_tokens + seq.pending - c, budget)
                 need += bm.blocks_needed(seq.seq_id, c + q, c)
         return need
 
     def _preempt_for_priority(self, budget: int) -> None:
-        head = self._head()
+        head = self.head()
         while (
             head is not None
             and self.s.running
             and self.s.running[-1].priority > head.priority
-            and not self._fits(head, budget, reserve=self._running_need(budget))
+            and not self._fits(head, budget, reserve=self.running_need(budget))
         ):
             self.s.preempt(self.s.running[-1])
 
     def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int]) -> None:
         bm = self.bm
         while budget > 0:
-            group = self._head()
+            group = self.head()
             if group is None or group.preempted_step == self.s.next_step_id or not self._fits(group, budget):
                 # A group that gave its blocks back in this step does not take them back in it.
                 return

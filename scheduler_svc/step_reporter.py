@@ -116,8 +116,9 @@ class StepReporter:
         sched = replica.scheduler
         if sched is not None:
             # The scheduler keeps plain counters (it is pure); publish what moved since last step.
-            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens)
-            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits), now, replica.reported):
+            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_planned_ahead)
+            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits, m.planned_ahead), now,
+                                         replica.reported):
                 if new > old:
                     counter.inc(new - old)
             replica.reported = now

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 import structlog
@@ -39,6 +39,15 @@ class WorkerLink(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class PipelinedLink(WorkerLink, Protocol):
+    """A link that takes the next plan before the result of the last: `execute` split in two,
+    so the engine can send a step planned ahead while the one before it runs."""
+
+    async def submit(self, plan: StepPlan) -> None: ...
+    async def receive(self, plan: StepPlan) -> tuple[StepResult, StepTiming]: ...
+
+
 class WorkerLost(Exception):
     """The worker's stream broke, closed, or missed the step deadline."""
 
@@ -67,6 +76,9 @@ class WorkerClient:
         self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        # Plans written and not yet answered: (encoded bytes, encode seconds, when written).
+        self._sent: dict[int, tuple[int, float, float]] = {}
+        self._last_received = 0.0
 
     async def connect(self, timeout: float) -> WorkerInfo:
         """Wait up to `timeout` seconds for the worker, describe it, and open the step stream."""
@@ -79,6 +91,7 @@ class WorkerClient:
             await self.close()
             raise WorkerLost(f"worker {self.address} did not answer: {error.code().name} {error.details()}") from error
         self._call = stub.Execute()
+        self._sent.clear()
         self._lost_reason = ""
         if self.health_interval > 0:
             self._watcher = asyncio.create_task(self._watch(self._channel), name=f"health:{self.address}")
@@ -103,30 +116,38 @@ class WorkerClient:
             call.cancel()
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        await self.submit(plan)
+        return await self.receive(plan)
+
+    async def submit(self, plan: StepPlan) -> None:
+        """Send `plan`; its result comes with `receive`. Up to two plans may be sent ahead of
+        their results: the worker runs them in order, the second right after the first."""
         start = time.perf_counter()
         msg = wire.step_plan(plan)
-        return await self.send(plan, msg, time.perf_counter() - start)
+        await self.write(plan, msg, time.perf_counter() - start)
 
-    async def send(self, plan: StepPlan, msg: worker_pb2.StepPlan, encode_seconds: float = 0.0) -> tuple[StepResult, StepTiming]:
-        """Execute `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
-        if self._call is None:
-            raise WorkerLost(self._lost_reason or f"worker {self.address} is not connected")
-        call = self._call
-        size = msg.ByteSize()
-        start = time.perf_counter()
+    async def write(self, plan: StepPlan, msg: worker_pb2.StepPlan, encode_seconds: float = 0.0) -> None:
+        """Send `plan`, already encoded as `msg` (a group encodes once for all its ranks)."""
+        call = self._step_call()
         try:
             await call.write(msg)
+        except BaseException as error:  # noqa: BLE001 (mapped to WorkerLost, or re-raised)
+            lost = self._lost(call, plan, error)
+            if lost is error:
+                raise
+            raise lost from error
+        self._sent[plan.step_id] = (msg.ByteSize(), encode_seconds, time.perf_counter())
+
+    async def receive(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        """The result of `plan`, the oldest plan sent."""
+        call = self._step_call()
+        try:
             reply = await asyncio.wait_for(call.read(), self.step_timeout)
-        except asyncio.CancelledError:
-            # close() during the step (the group deregistered) cancels the call, which surfaces
-            # here as a cancellation; only a cancelled task should see one.
-            if call is not self._call:
-                raise WorkerLost(self._lost_reason or f"worker {self.address} was closed during step {plan.step_id}") from None
-            raise
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
-            raise WorkerLost(f"worker {self.address} failed step {plan.step_id}: {error}") from error
-        except TimeoutError as error:
-            raise WorkerLost(f"worker {self.address} missed the {self.step_timeout}s step deadline") from error
+        except BaseException as error:  # noqa: BLE001 (mapped to WorkerLost, or re-raised)
+            lost = self._lost(call, plan, error)
+            if lost is error:
+                raise
+            raise lost from error
         if reply is grpc.aio.EOF:
             raise WorkerLost(f"worker {self.address} closed its step stream")
         received = time.perf_counter()
@@ -136,8 +157,33 @@ class WorkerClient:
             raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:
             raise WorkerLost(f"worker {self.address} answered step {result.step_id} to plan {plan.step_id}")
+        size, encode_seconds, sent = self._sent.pop(plan.step_id, (0, 0.0, received))
+        # A plan sent ahead waits for the step before it: its round trip starts when that
+        # step's result came back.
+        start = max(sent, self._last_received)
+        self._last_received = received
         return result, StepTiming(size, received - start, result.execute_seconds, encode_seconds,
                                   time.perf_counter() - received)
+
+    def _step_call(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None:
+            raise WorkerLost(self._lost_reason or f"worker {self.address} is not connected")
+        return self._call
+
+    def _lost(self, call: grpc.aio.StreamStreamCall, plan: StepPlan, error: BaseException) -> BaseException:
+        """What a failed write or read of the step stream means for the engine: a WorkerLost,
+        or `error` itself when it is not the worker's doing."""
+        if isinstance(error, asyncio.CancelledError):
+            # close() during the step (the group deregistered) cancels the call, which surfaces
+            # here as a cancellation; only a cancelled task should see one.
+            if call is not self._call:
+                return WorkerLost(self._lost_reason or f"worker {self.address} was closed during step {plan.step_id}")
+            return error
+        if isinstance(error, (grpc.aio.AioRpcError, asyncio.InvalidStateError)):
+            return WorkerLost(f"worker {self.address} failed step {plan.step_id}: {error}")
+        if isinstance(error, TimeoutError):
+            return WorkerLost(f"worker {self.address} missed the {self.step_timeout}s step deadline")
+        return error
 
     async def close(self) -> None:
         if self._watcher is not None:

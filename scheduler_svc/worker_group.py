@@ -13,14 +13,18 @@ their next collective within the distributed timeout and exit, so nothing waits 
 from __future__ import annotations
 
 import asyncio
-import time
 import dataclasses
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from common.config import TlsClientConfig
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc import wire
 from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
+
+T = TypeVar("T")
 
 
 class WorkerGroup:
@@ -53,16 +57,32 @@ class WorkerGroup:
         )
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        await self.submit(plan)
+        return await self.receive(plan)
+
+    async def submit(self, plan: StepPlan) -> None:
         start = time.perf_counter()
         msg = wire.step_plan(plan)
         encode = time.perf_counter() - start
-        tasks = [asyncio.ensure_future(r.send(plan, msg)) for r in self.ranks]
-        # The first failure decides: the other ranks are blocked in a collective with the dead
-        # one and would answer only when the distributed timeout fails them too.
+        await self._all(plan, [r.write(plan, msg, encode) for r in self.ranks])
+
+    async def receive(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
+        done = await self._all(plan, [r.receive(plan) for r in self.ranks])
+        result, timing = done[0]
+        # The step lasts as long as its slowest rank.
+        slowest = max(t.roundtrip_seconds for _, t in done)
+        return result, StepTiming(timing.plan_bytes, slowest, max(t.execute_seconds for _, t in done),
+                                  timing.encode_seconds, timing.decode_seconds)
+
+    async def _all(self, plan: StepPlan, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+        """Every rank's answer; the first failure decides: the other ranks are blocked in a
+        collective with the failed one and would answer only when the distributed timeout
+        fails them too."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
-            # The engine is stopping: end the rank sends here rather than leave them to fail
+            # The engine is stopping: end the rank calls here rather than leave them to fail
             # unobserved when the channels close.
             for task in tasks:
                 task.cancel()
@@ -75,12 +95,7 @@ class WorkerGroup:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 error = task.exception()
                 raise WorkerLost(f"rank {i} of group {self.address}: {error}") from error
-        done = [t.result() for t in tasks]
-        result, timing = done[0]
-        # The step lasts as long as its slowest rank.
-        slowest = max(t.roundtrip_seconds for _, t in done)
-        return result, StepTiming(timing.plan_bytes, slowest, max(t.execute_seconds for _, t in done), encode,
-                                  timing.decode_seconds)
+        return [t.result() for t in tasks]
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.ranks))

@@ -76,7 +76,7 @@ async def test_request_id_metadata_is_echoed_and_never_a_key(tiny_scheduler: Sch
         messages = [m async for m in call]
         headers = dict(await call.initial_metadata())
         assert headers["x-request-id"] == "abc-123" and headers["x-correlation-id"] == "corr-9"
-        assert len(messages) == 2 and messages[0].request_id  # a server-assigned request id
+        assert sum(len(m.token_ids) for m in messages) == 2 and messages[0].request_id  # a server-assigned request id
     assert (await calls[0].initial_metadata()) == (await calls[1].initial_metadata())
     # Without the header, the request's own id is echoed.
     call = tiny_scheduler.stub.Generate(pb.GenerateRequest(request_id="mine", prompt_token_ids=[3, 4],

@@ -74,6 +74,11 @@ async def started(spec: ModelSpec, tokenizer: Tokenizer, worker: FakeWorker) -> 
     raise TimeoutError("engine not ready")
 
 
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    """The streamed tokens (a message carries several when the reader lagged behind)."""
+    return [t for o in outs for t in o.token_ids]
+
+
 async def run(engine: Engine, **fields: object) -> list[RequestOutput]:
     req = GenerationRequest(**{"request_id": "", "prompt_token_ids": (5, 6, 7), "max_tokens": 8, **fields})  # type: ignore[arg-type]
     return [out async for out in engine.generate(req)]
@@ -90,7 +95,7 @@ async def test_a_crash_in_the_loop_fails_requests_and_the_engine_recovers(spec: 
                 break
             await asyncio.sleep(0.01)
         outs = await run(engine, ignore_eos=True, max_tokens=4)
-        assert [o.token_ids[0] for o in outs] == [300, 301, 302, 300]
+        assert tokens_of(outs) == [300, 301, 302, 300]
         assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
     finally:
         await engine.stop()
@@ -145,7 +150,7 @@ async def test_huge_top_k_and_tiny_temperature_are_safe(spec: ModelSpec, tokeniz
     engine = await started(spec, tokenizer, FakeWorker(spec, [300]))
     try:
         outs = await run(engine, top_k=3_000_000_000, temperature=1e-30, max_tokens=2)
-        assert len(outs) == 2
+        assert len(tokens_of(outs)) == 2
     finally:
         await engine.stop()
 
@@ -163,7 +168,7 @@ async def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones(spec: M
             await run(engine)
         await drain
         outs = await in_flight
-        assert outs[-1].finish_reason is FinishReason.LENGTH and len(outs) == 10
+        assert outs[-1].finish_reason is FinishReason.LENGTH and len(tokens_of(outs)) == 10
     finally:
         await engine.stop()
 
@@ -230,6 +235,28 @@ async def test_request_limits_are_server_flags(spec: ModelSpec, tokenizer: Token
         for fields, message in cases:
             with pytest.raises(InvalidArgument, match=re.escape(message)):
                 await run(engine, **fields)
-        assert len(await run(engine, prompt_token_ids=(1, 2, 3, 4), logprobs=2, max_tokens=2)) == 2
+        assert len(tokens_of(await run(engine, prompt_token_ids=(1, 2, 3, 4), logprobs=2, max_tokens=2))) == 2
     finally:
         await engine.stop()
+
+
+async def test_a_slow_reader_gets_the_queued_pieces_of_an_output_in_one_message(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    worker = FakeWorker(spec, script)
+    worker.delay = 0.01  # a step takes a while: a reader that keeps up gets one token per message
+    engine = await started(spec, tokenizer, worker)
+    try:
+        req = GenerationRequest(request_id="", prompt_token_ids=(5, 6, 7), max_tokens=len(script), ignore_eos=True)
+        quick = [out async for out in engine.generate(req)]
+        slow = []
+        async for out in engine.generate(req):
+            slow.append(out)
+            await asyncio.sleep(0.05)  # meanwhile the engine runs several steps
+    finally:
+        await engine.stop()
+    assert [len(o.token_ids) for o in quick] == [1] * len(script)
+    assert len(slow) < len(quick) and max(len(o.token_ids) for o in slow) > 1
+    for outs in (quick, slow):
+        assert [t for o in outs for t in o.token_ids] == script
+        assert "".join(o.text for o in outs) == tokenizer.decode(script)
+        assert outs[-1].completion_tokens == len(script) and outs[-1].finish_reason is FinishReason.LENGTH

@@ -73,6 +73,8 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
         assert value(idle, "llmserve:prefix_cache_queries_total") == 83
         assert value(idle, "llmserve:prefix_cache_hits_total") == 32  # the repeat: 2 full blocks of 16
         assert value(idle, "llmserve:num_preemptions_total") == 0
+        # The long request's decodes were planned while the step before them ran.
+        assert value(idle, "llmserve:steps_planned_ahead_total") > 0
         for hist in ("llmserve:time_to_first_token_seconds", "llmserve:request_queue_time_seconds"):
             assert value(idle, hist + "_count") == 3, hist
         assert value(idle, "llmserve:e2e_request_latency_seconds_count") == 2  # of finished requests, not cancelled

@@ -136,3 +136,22 @@ def test_cpu_steps_are_padded_to_gemm_buckets_without_changing_a_token(cpu_model
     torch.testing.assert_close(padded_logits, exact_logits, atol=1e-5, rtol=0)
     assert np.array_equal(padded.sampled_token_ids, exact.sampled_token_ids)
     np.testing.assert_allclose(padded.logprobs, exact.logprobs, atol=1e-5)
+
+
+def test_deferred_inputs_are_the_tokens_the_last_step_sampled(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    from common.plan import DEFERRED_INPUT
+
+    _, runner = model
+    prompt = [5, 17, 42]
+    first = runner.execute(make_plan(0, [Feed(0, prompt, 0, [3])]))
+    token = int(first.sampled_token_ids[0])
+    explicit = runner.execute(make_plan(1, [Feed(0, [token], 3, [3], output_position=1)]))
+    runner.execute(make_plan(2, [Feed(0, prompt, 0, [3])]))  # the same first step again
+    deferred = runner.execute(make_plan(3, [Feed(0, [DEFERRED_INPUT], 3, [3], output_position=1)]))
+    assert np.array_equal(deferred.sampled_token_ids, explicit.sampled_token_ids)
+    # Only what the step right before sampled, and only as a sequence's last fed token.
+    with pytest.raises(PlanError, match="did not sample"):
+        runner.execute(make_plan(4, [Feed(7, [DEFERRED_INPUT], 3, [5])]))
+    runner.execute(make_plan(5, [Feed(0, prompt, 0, [3])]))
+    with pytest.raises(PlanError, match="last fed token"):
+        runner.execute(make_plan(6, [Feed(0, [DEFERRED_INPUT, 4], 3, [3])]))

@@ -220,8 +220,11 @@ def test_step_protocol_is_enforced() -> None:
     add(s, make_seq(0, 3))
     plan = s.schedule()
     assert plan is not None
+    ahead = s.schedule()  # planned ahead of the first plan's result (tests/test_plan_ahead.py)
+    assert ahead is not None and ahead.step_id == plan.step_id + 1
+    assert s.schedule() is None  # two in flight: no third
     with pytest.raises(RuntimeError):
-        s.schedule()
+        s.update(ahead, StepResult(ahead.step_id, np.zeros(1, np.int32)))  # results come in plan order
     with pytest.raises(RuntimeError):
         s.update(plan, StepResult(plan.step_id + 1, np.zeros(1, np.int32)))
     s.update(plan, fake_execute(plan))

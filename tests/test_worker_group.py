@@ -27,8 +27,10 @@ class FakeRank:
     async def connect(self, timeout: float) -> WorkerInfo:
         return self.info
 
-    async def send(self, plan: StepPlan, msg: object) -> tuple[StepResult, StepTiming]:
+    async def write(self, plan: StepPlan, msg: object, encode_seconds: float = 0.0) -> None:
         self.plans.append(plan.step_id)
+
+    async def receive(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         await asyncio.sleep(self.delay)
         if self.fail:
             raise WorkerLost(f"worker {self.address} closed its step stream")

@@ -1,11 +1,14 @@
 """One step on the worker: plan arrays -> input tensors -> forward -> sampled tokens.
 
-The runner keeps no per-request state between steps (DESIGN.md section 1): everything it
-needs comes in the plan, and its only memory is the weights and the KV-cache tensors.
+The runner keeps no per-request state between steps: everything it needs comes in the plan,
+and its memory is the weights and the KV-cache tensors, plus the tokens its last step
+sampled, which a plan the scheduler made before that step's result arrived refers to
+(DEFERRED_INPUT in common/plan.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -15,7 +18,7 @@ import structlog
 import torch
 
 from common.config import WorkerConfig
-from common.plan import SamplingBatch, StepPlan, StepResult
+from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from worker_svc import kv_cache
 from worker_svc.host_allocator import keep_freed_memory
@@ -59,6 +62,9 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
+        # What the last step sampled, by sequence: the next plan's deferred inputs. The only
+        # thing a worker carries from one step to the next.
+        self._last_sampled: dict[int, int] = {}
         # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
         self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
         self.shape = self.model.shape
@@ -213,10 +219,29 @@ class ModelRunner:
         input_ids, positions, meta, _ = self._inputs(plan)
         return self.model.compute_logits(self.model(input_ids, positions, self.kv.layers, meta)[: plan.num_tokens])
 
+    def _fill_deferred(self, plan: StepPlan) -> StepPlan:
+        """The plan with each DEFERRED_INPUT replaced by the token this worker sampled for that
+        sequence in its previous step (the scheduler planned this step before knowing it)."""
+        where = np.flatnonzero(plan.input_ids == DEFERRED_INPUT)
+        if not where.size:
+            return plan
+        ends = np.cumsum(plan.query_lens)
+        rows = np.searchsorted(ends, where, side="right")  # the sequence of each deferred token
+        if not np.array_equal(ends[rows] - 1, where):
+            raise PlanError("a deferred input that is not its sequence's last fed token")
+        input_ids = plan.input_ids.copy()
+        for token_index, seq_id in zip(where.tolist(), plan.seq_ids[rows].tolist()):
+            token = self._last_sampled.get(seq_id)
+            if token is None:
+                raise PlanError(f"a deferred input for sequence {seq_id}, which this worker's previous step did not sample")
+            input_ids[token_index] = token
+        return dataclasses.replace(plan, input_ids=input_ids)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         with self._section("prepare"):
+            plan = self._fill_deferred(plan)
             self.check(plan)
             # The plan's order (common.plan.StepPlan): copies come last because their source
             # may be a block swapped in this step.
@@ -227,6 +252,7 @@ class ModelRunner:
             if plan.num_seqs:
                 input_ids, positions, meta, starts = self._inputs(plan)
         if plan.num_seqs == 0:
+            self._last_sampled = {}
             return StepResult(plan.step_id, sampled, time.perf_counter() - start, part_seconds=self._parts())
         with self._section("forward"):
             hidden = self.model(input_ids, positions, self.kv.layers, meta)
@@ -241,6 +267,7 @@ class ModelRunner:
             s = plan.sampling
             tokens, lse = self._sample(logits, s, rows)
             sampled[rows] = tokens.cpu().numpy()
+            self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
             logprobs, top_ids, top_lps = step_logprobs(logits, lse, tokens, rows, s.num_logprobs, plan.num_seqs)
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:

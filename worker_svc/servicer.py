@@ -7,12 +7,14 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
+from common.plan import StepPlan
 from worker_svc import wire
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner, PlanError
@@ -20,6 +22,28 @@ from worker_svc.runner import ModelRunner, PlanError
 log = structlog.get_logger(__name__)
 
 STREAM_TAKEOVER_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Received:
+    msg: worker_pb.StepPlan
+    plan: StepPlan | None  # None when it did not decode
+    error: ValueError | None
+    decode_seconds: float
+
+
+async def _read_plans(request_iterator: AsyncIterator[worker_pb.StepPlan], out: asyncio.Queue[_Received | None]) -> None:
+    """Decode every plan of the stream into `out` as it arrives; None when the stream ends."""
+    try:
+        async for msg in request_iterator:
+            start = time.perf_counter()
+            try:
+                plan, error = wire.step_plan(msg), None
+            except ValueError as bad:
+                plan, error = None, bad
+            out.put_nowait(_Received(msg, plan, error, time.perf_counter() - start))
+    finally:
+        out.put_nowait(None)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -50,15 +74,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         profile = self._runner.config.profile_steps
         last_encode = 0.0  # seconds the previous result took to encode, reported with the next
+        # Plans are read and decoded as they arrive. One the scheduler sent ahead starts the
+        # moment the step before it ends, before that step's result is even sent.
+        plans: asyncio.Queue[_Received | None] = asyncio.Queue()
+        reader = asyncio.create_task(_read_plans(request_iterator, plans), name="read-plans")
+
+        def start(received: _Received | None) -> tuple[_Received, asyncio.Future[StepResult]] | None:
+            if received is None:
+                return None
+            if received.error is not None:
+                failed: asyncio.Future[StepResult] = loop.create_future()
+                failed.set_exception(received.error)
+                return received, failed
+            return received, loop.run_in_executor(self._executor, self._runner.execute, received.plan)
+
         try:
-            async for msg in request_iterator:
+            running = start(await plans.get())
+            while running is not None:
+                received, step = running
+                msg = received.msg
                 try:
-                    decode_start = time.perf_counter()
-                    plan = wire.step_plan(msg)
-                    decode_seconds = time.perf_counter() - decode_start
-                    result = await loop.run_in_executor(self._executor, self._runner.execute, plan)
+                    result = await step
                     if self._metrics is not None:
-                        self._metrics.observe(plan, result.execute_seconds)
+                        self._metrics.observe(received.plan, result.execute_seconds)  # type: ignore[arg-type]
                 except (ValueError, PlanError) as error:
                     log.error("plan_refused", step_id=msg.step_id, reason=str(error))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
@@ -72,13 +110,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                   step_id=msg.step_id, reason=str(error))
                         os._exit(3)
                     raise
+                ahead = not plans.empty()
+                if ahead:  # the next plan is here: run it while this result goes out
+                    running = start(plans.get_nowait())
                 if profile:
-                    result.part_seconds.update(plan_decode=decode_seconds, result_encode=last_encode)
+                    result.part_seconds.update(plan_decode=received.decode_seconds, result_encode=last_encode)
                 encode_start = time.perf_counter()
                 reply = wire.step_result(result)
                 last_encode = time.perf_counter() - encode_start
                 yield reply
+                if not ahead:
+                    running = start(await plans.get())
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]  # the stream broke: as if read here
         finally:
+            reader.cancel()
             self._stream_lock.release()
             log.info("step_stream_closed", peer=context.peer())
 
