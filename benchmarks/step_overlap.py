@@ -219,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--model", default=None, help="model directory for the tokenizer and config (default: SmolLM2)")
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the dated result JSON goes")
     p.add_argument("--standin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--listen", help=argparse.SUPPRESS)
     p.add_argument("--log", help=argparse.SUPPRESS)
@@ -245,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'ahead' if m['plan_ahead'] else 'sync':<8}{m['steps_at_full_batch']:>7}{m['step_ms']['mean']:>9.2f}"
               f"{m['idle_ms']['mean']:>9.3f}{m['idle_ms']['p99']:>8.3f}{100 * m['idle_share_of_step']:>10.1f}%"
               f"{m['scheduler_cpu_ms_per_step']:>9.2f}ms{m['client_cpu_ms_per_step']:>10.2f}ms")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    for path in [RESULTS_DIR / f"step-overlap-{now.strftime('%Y%m%d-%H%M%S')}.json"] + ([args.out] if args.out else []):
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    for path in [args.results_dir / f"step-overlap-{now.strftime('%Y%m%d-%H%M%S')}.json"] + ([args.out] if args.out else []):
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
 
