@@ -110,7 +110,8 @@ def bench_prefill(seqs: int, length: int, device: torch.device, iters: int, head
 
 
 def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
-    """Greedy decoding through ModelRunner + Scheduler, triton vs torch backend, same weights."""
+    """Greedy decoding through ModelRunner + Scheduler, same weights: the triton backend with
+    CUDA graphs for decode steps, the triton backend eager (--enforce-eager), and torch."""
     import numpy as np
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,10 +136,11 @@ def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
         del model
         results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
         tokens: dict[str, list[list[int]]] = {}
-        for backend in ("triton", "torch"):
+        for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True), ("torch", "torch", True)):
             dtype = "float32" if device.type == "cpu" else "bfloat16"
             runner = ModelRunner(WorkerConfig(model=tmp, dtype=dtype, device=str(device), attention_backend=backend,
-                                              cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096)))
+                                              cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096),
+                                              enforce_eager=eager, max_num_seqs=4 if smoke else 32))
             sched = Scheduler(SchedulerConfig(), BlockManager(runner.kv.num_blocks, 16), runner.max_model_len, frozenset())
             rng = np.random.default_rng(0)
             seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
@@ -149,13 +151,17 @@ def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
             while (plan := sched.schedule()) is not None:
                 generated += len(sched.update(plan, runner.execute(plan)))
             seconds = time.perf_counter() - start
-            tokens[backend] = [s.output_token_ids for s in seqs]
-            results[backend] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds}
+            tokens[name] = [s.output_token_ids for s in seqs]
+            results[name] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+                             "cuda_graphs": runner._graphs is not None}
             del runner
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"]))
         results["sequences_identical_between_backends"] = f"{same}/{len(tokens['torch'])}"
+        same = sum(a == b for a, b in zip(tokens["triton"], tokens["triton_eager"]))
+        results["sequences_identical_graphs_vs_eager"] = f"{same}/{len(tokens['triton'])}"
+        results["graphs_speedup"] = results["triton"]["tokens_per_s"] / results["triton_eager"]["tokens_per_s"]
     return results
 
 
@@ -165,7 +171,7 @@ def run_kernel_tests() -> dict[str, Any]:
     except ImportError:
         return {"returncode": 0, "summary": ["skipped: pytest is not installed here"], "seconds": 0.0, "output_tail": ""}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_runner.py", "tests/test_block_ops.py",
-           "tests/test_model_forward.py", "--full-kernels"]
+           "tests/test_model_forward.py", "tests/test_cuda_graphs.py", "--full-kernels"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
@@ -203,9 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     result["triton"] = triton.__version__
+
+    def save() -> None:
+        """Write what is measured so far: a later section that fails loses nothing before it."""
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+
     if cuda and not args.skip_tests:
         result["kernel_tests"] = run_kernel_tests()
         print("kernel tests:", result["kernel_tests"]["summary"], flush=True)
+        save()
     copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30), iters)
     peak = matmul_peak(device, 256 if args.smoke else 8192, iters)
     result["copy_bandwidth_bytes_per_s"] = copy_bw
@@ -216,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         case["fraction_of_copy_bandwidth"] = case["ours_bytes_per_s"] / copy_bw
         print(f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
               f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us", flush=True)
+    save()
     prefill_cases = [(2, 48)] if args.smoke else [(4, 2048), (1, 8192)]
     result["prefill"] = [bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in prefill_cases]
     for case in result["prefill"]:
         case["fraction_of_matmul_peak"] = case["ours_flops_per_s"] / peak
         print(f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
               f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}", flush=True)
+    save()
     result["e2e"] = bench_e2e(device, args.smoke, steps=4 if args.smoke else 128)
     print("e2e:", json.dumps(result["e2e"]), flush=True)
     result["targets"] = {
@@ -230,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_fraction_of_peak": result["prefill"][0]["fraction_of_matmul_peak"],
         "prefill_target_met": result["prefill"][0]["fraction_of_matmul_peak"] >= 0.4,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    save()
     print(f"wrote {out_path}")
     return 0 if result.get("kernel_tests", {}).get("returncode", 0) == 0 else 1
 

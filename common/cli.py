@@ -128,6 +128,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)")
     p.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at start)",
+    )
+    p.add_argument(
         "--profile-steps", action="store_true",
         help="time each step by part (linears, attention, sampling, ...) into the scheduler's "
         "llmserve:step_part_seconds metric; costs a little speed (on CUDA a device sync per part)",
@@ -181,6 +185,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_flags(worker)
     worker.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:///path)")
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
+    worker.add_argument(
+        "--max-num-seqs", type=int, default=256,
+        help="largest decode batch to capture a CUDA graph for (the scheduler's --max-num-seqs; default 256)",
+    )
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
     worker.add_argument(
@@ -320,6 +328,8 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
         profile_steps=a.profile_steps,
+        enforce_eager=a.enforce_eager,
+        max_num_seqs=a.max_num_seqs,
         # Only a rank process started by `worker --tp N` has these.
         rank=getattr(a, "rank", None) or 0,
         world_size=getattr(a, "world_size", None) or 1,
@@ -356,6 +366,7 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
         sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model,
         "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
         "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+        "--max-num-seqs", str(a.max_num_seqs),
         "--swap-space-gb", str(a.swap_space_gb), "--dist-timeout", str(a.dist_timeout),
     ]
     for flag, value in (("--num-gpu-blocks", a.num_gpu_blocks), ("--kv-cache-gb", a.kv_cache_gb),
@@ -366,6 +377,8 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
         cmd += ["--no-reflection"]
     if a.profile_steps:
         cmd += ["--profile-steps"]
+    if a.enforce_eager:
+        cmd += ["--enforce-eager"]
     return cmd
 
 

@@ -106,6 +106,10 @@ class WorkerConfig:
     attention_backend: str = "auto"
     # Time each step by part (StepResult.part_seconds); hooks cost a little, on CUDA a sync each.
     profile_steps: bool = False
+    # On CUDA, decode steps replay CUDA graphs captured per batch-size bucket up to
+    # max_num_seqs (worker_svc/cuda_graphs.py), unless enforce_eager.
+    enforce_eager: bool = False
+    max_num_seqs: int = 256
     # Tensor parallelism: this process is `rank` of `world_size`, meeting the others at
     # `dist_init_method` (e.g. tcp://127.0.0.1:29500); collectives give up after dist_timeout
     # seconds, so a dead or stalled rank ends the group instead of hanging it.
@@ -128,6 +132,7 @@ class WorkerConfig:
         _require(0 <= self.rank < self.world_size, f"rank must lie in [0, {self.world_size}), got {self.rank}")
         _require(self.world_size == 1 or bool(self.dist_init_method), "a group of ranks needs dist_init_method")
         _require(self.dist_timeout > 0, "dist_timeout must be positive")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
 
 
 def _require_file(path: str, what: str) -> None:

@@ -36,7 +36,9 @@ from worker_svc.logprobs import logits_stats, prompt_logprobs, step_logprobs
 from worker_svc.layers import cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.sampler import sample
-from worker_svc.step_buckets import gemm_buckets, pad_rows
+from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
+from worker_svc.step_buckets import gemm_buckets, graph_buckets, pad_rows
+from worker_svc.triton_attention import TritonAttentionMetadata
 from worker_svc.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
@@ -86,6 +88,24 @@ class ModelRunner:
             gib=round(self.kv.host_nbytes / kv_cache.GIB, 3),
             pinned=self.kv.pinned,
         )
+        self._graphs = self._capture_graphs() if self._use_graphs() else None
+
+    def _use_graphs(self) -> bool:
+        # Profiling synchronizes the device at every part, which a capture cannot contain.
+        return (self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
+                and not self.config.profile_steps)
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv.layers, meta),
+            TritonAttentionMetadata,
+            graph_buckets(self.config.max_num_seqs),
+            -(-self.max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+        )
+        graphs.capture()
+        return graphs
 
     def info(self, model_name: str) -> WorkerInfo:
         return WorkerInfo(
@@ -249,13 +269,21 @@ class ModelRunner:
             self.kv.swap_in(plan.swap_in)
             self.kv.copy(plan.copy)
             sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
-            if plan.num_seqs:
+            graphs = self._graphs
+            bucket = fits(plan, graphs.buckets, graphs.width) if graphs is not None else None
+            if bucket is not None:  # a decode step a captured graph replays
+                staged = stage(plan, bucket, graphs.width, self.block_size)  # type: ignore[union-attr]
+                starts = np.arange(plan.num_seqs + 1)
+            elif plan.num_seqs:
                 input_ids, positions, meta, starts = self._inputs(plan)
         if plan.num_seqs == 0:
             self._last_sampled = {}
             return StepResult(plan.step_id, sampled, time.perf_counter() - start, part_seconds=self._parts())
         with self._section("forward"):
-            hidden = self.model(input_ids, positions, self.kv.layers, meta)
+            if bucket is not None:
+                hidden = graphs.run(staged)  # type: ignore[union-attr]
+            else:
+                hidden = self.model(input_ids, positions, self.kv.layers, meta)
         rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
         dev = self.device
         last = starts[1:][rows] - 1

@@ -1,0 +1,127 @@
+"""Decode steps through CUDA graphs: which steps replay, the padded static inputs, and (on a
+GPU) replay against eager execution.
+
+On CPU the padded inputs go through the model's Triton path in the interpreter, without a
+capture: the real rows' hidden states must equal the eager step's, so padding rows (slot -1,
+one key of block 0, token 0 at position 0) disturb nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.config import CacheConfig, WorkerConfig
+from tests.conftest import KERNEL_DEVICE
+from tests.plans import Feed, make_plan
+from worker_svc.cuda_graphs import fits, stage
+from worker_svc.runner import ModelRunner
+from worker_svc.step_buckets import graph_buckets
+from worker_svc.triton_attention import TritonAttentionMetadata
+
+BLOCK = 8
+
+
+def decodes(step_id: int, contexts: list[int], tables: list[list[int]]) -> object:
+    return make_plan(step_id, [Feed(i, [10 + i], c, t, output_position=1) for i, (c, t) in enumerate(zip(contexts, tables))])
+
+
+def test_which_steps_replay() -> None:
+    buckets = graph_buckets(16)
+    plan = decodes(0, [3, 9], [[1], [2, 3]])
+    assert fits(plan, buckets, width=4) == 2
+    assert fits(decodes(0, [3, 9, 4], [[1], [2, 3], [4]]), buckets, width=4) == 4
+    assert fits(plan, buckets, width=1) is None  # a table wider than the graphs'
+    prompt = make_plan(0, [Feed(0, [1, 2, 3], 0, [1]), Feed(1, [4], 5, [2])])
+    assert fits(prompt, buckets, width=4) is None  # not decode-only
+    many = decodes(0, [1] * 17, [[i] for i in range(17)])
+    assert fits(many, buckets, width=4) is None  # beyond the largest bucket
+
+
+def test_staged_inputs_pad_inertly() -> None:
+    plan = decodes(0, [3, 9, 16], [[5], [2, 7], [1, 4, 6]])
+    s = stage(plan, bucket=4, width=5, block_size=BLOCK)
+    assert (s.bucket, s.num_seqs) == (4, 3)
+    assert s.input_ids.tolist() == [10, 11, 12, 0] and s.positions.tolist() == [3, 9, 16, 0]
+    # Slot of each token: its position's block in its table; padding stores nowhere.
+    assert s.slot_mapping.tolist() == [5 * 8 + 3, 7 * 8 + 1, 6 * 8 + 0, -1]
+    assert s.block_tables.shape == (4, 5) and s.block_tables[2].tolist() == [1, 4, 6, 0, 0]
+    assert s.block_tables[3].tolist() == [0] * 5 and s.seq_lens.tolist() == [4, 10, 17, 1]
+    assert s.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def triton_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    path = tmp_path_factory.mktemp("graphs-model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    LlamaForCausalLM(cfg).float().save_pretrained(str(path))
+    return ModelRunner(WorkerConfig(model=str(path), dtype="float32", device=KERNEL_DEVICE, attention_backend="triton",
+                                    cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16), max_num_seqs=8))
+
+
+def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelRunner) -> None:
+    runner = triton_runner
+    dev = runner.device
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11], [99, 3]]
+    tables = [[3, 9], [4, 2], [6, 1]]
+    runner.execute(make_plan(0, [Feed(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]))
+    plan = make_plan(1, [Feed(i, [20 + i], len(p), t, output_position=1) for i, (p, t) in enumerate(zip(prompts, tables))])
+    ids, positions, meta, _ = runner._inputs(plan)
+    kv_before = [(k.clone(), v.clone()) for k, v in runner.kv.layers]
+    eager = runner.model(ids, positions, runner.kv.layers, meta)
+    kv_eager = [(k.clone(), v.clone()) for k, v in runner.kv.layers]
+    for (k, v), (k0, v0) in zip(runner.kv.layers, kv_before):  # the same step again, padded
+        k.copy_(k0)
+        v.copy_(v0)
+    bucket = fits(plan, graph_buckets(8), width=8)
+    assert bucket == 4
+    s = stage(plan, bucket, width=8, block_size=BLOCK)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(dev)
+
+    static_meta = TritonAttentionMetadata(slot_mapping=t(s.slot_mapping), block_tables=t(s.block_tables),
+                                          seq_lens=t(s.seq_lens), query_start_loc=t(s.query_start_loc), decode_only=True)
+    padded = runner.model(t(s.input_ids), t(s.positions), runner.kv.layers, static_meta)
+    assert padded.shape[0] == 4
+    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=0)
+    for (k, v), (k1, v1) in zip(runner.kv.layers, kv_eager):
+        # The same K/V in the same slots, and the padding row stored nothing.
+        torch.testing.assert_close(k, k1, atol=1e-6, rtol=0)
+        torch.testing.assert_close(v, v1, atol=1e-6, rtol=0)
+    assert runner._graphs is None or torch.cuda.is_available()  # captured only on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replayed_decode_steps_equal_eager_ones(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = tmp_path_factory.mktemp("graphs-gpu-model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    LlamaForCausalLM(cfg).float().save_pretrained(str(path))
+    config = WorkerConfig(model=str(path), dtype="float32", device="cuda", attention_backend="triton",
+                          cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=0), max_num_seqs=16)
+    graphs, eager = ModelRunner(config), ModelRunner(dataclasses.replace(config, enforce_eager=True))
+    assert graphs._graphs is not None and eager._graphs is None
+    for n in (1, 3, 9):  # buckets 1, 4, 16: padding rows of every kind
+        prompts = [[(7 * i + j) % 190 + 5 for j in range(3 + i)] for i in range(n)]
+        tables = [[2 * i + 1, 2 * i + 2] for i in range(n)]
+        outputs = []
+        for runner in (graphs, eager):
+            tokens = [list(p) for p in prompts]
+            context = [0] * n
+            for step in range(6):
+                feeds = [Feed(i, tokens[i][context[i]:], context[i], tables[i], output_position=step) for i in range(n)]
+                result = runner.execute(make_plan(step, feeds))
+                for i in range(n):
+                    context[i] = len(tokens[i])
+                    tokens[i].append(int(result.sampled_token_ids[i]))
+            outputs.append(tokens)
+        assert outputs[0] == outputs[1], n
