@@ -90,22 +90,26 @@ inline V16 vload(const bf16* p, int n = 16, float fill = 0.0f) {
   return {_mm512_mask_blend_ps(tail_mask(n), _mm512_set1_ps(fill), f)};
 }
 inline void vstore(float* p, V16 a, int n = 16) { _mm512_mask_storeu_ps(p, tail_mask(n), a.v); }
-inline __m512i bf16_bits(V16 a) {
+#ifdef __AVX512BF16__
+// One instruction: round to nearest even, NaN kept quiet.
+inline __m256i bf16_half(V16 a) { return (__m256i)_mm512_cvtneps_pbh(a.v); }
+#else
+inline __m256i bf16_half(V16 a) {
   __m512i u = _mm512_castps_si512(a.v);
   __m512i rounded = _mm512_add_epi32(
       u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   __m512i bits = _mm512_srli_epi32(rounded, 16);
   __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(bits, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  bits = _mm512_mask_mov_epi32(bits, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(bits);
 }
-inline void vstore(bf16* p, V16 a, int n = 16) {
-  _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(bf16_bits(a)));
-}
+#endif
+inline void vstore(bf16* p, V16 a, int n = 16) { _mm256_mask_storeu_epi16(p, tail_mask(n), bf16_half(a)); }
 // Rounded to T and widened again, lane by lane (see round_to).
 template <typename T> inline V16 vround(V16 a);
 template <> inline V16 vround<float>(V16 a) { return a; }
 template <> inline V16 vround<bf16>(V16 a) {
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a), 16))};
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_half(a)), 16))};
 }
 
 // Lanes at or past n become `fill`.
