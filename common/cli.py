@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import shutil
 import signal
@@ -566,6 +567,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     forced = os.environ.get("LLMSERVE_LOG_JSON")
     logsetup.configure(args.log_level, json=forced == "1" if forced in ("0", "1") else None)
+    # A crash in native code (a kernel, gRPC, torch) then leaves the Python stack of every
+    # thread on stderr instead of a bare exit status.
+    faulthandler.enable()
     try:
         COMMANDS[args.command](args)
     except ValueError as error:

@@ -70,7 +70,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await asyncio.wait_for(self._stream_lock.acquire(), STREAM_TAKEOVER_S)
         except TimeoutError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is already driven by a scheduler")
-        log.info("step_stream_opened", peer=context.peer())
+        # Read once: the context must not be touched after the server stops (the stream's
+        # generator is closed later, when the event loop shuts down, and peer() would crash).
+        peer = context.peer()
+        log.info("step_stream_opened", peer=peer)
         loop = asyncio.get_running_loop()
         profile = self._runner.config.profile_steps
         last_encode = 0.0  # seconds the previous result took to encode, reported with the next
@@ -88,6 +91,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return received, failed
             return received, loop.run_in_executor(self._executor, self._runner.execute, received.plan)
 
+        running: tuple[_Received, asyncio.Future[StepResult]] | None = None
         try:
             running = start(await plans.get())
             while running is not None:
@@ -125,8 +129,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise reader.exception()  # type: ignore[misc]  # the stream broke: as if read here
         finally:
             reader.cancel()
+            if running is not None:
+                # A step started ahead whose result nobody will read (the stream ended while
+                # the one before it was going out): its outcome is dropped, not left unretrieved.
+                running[1].add_done_callback(lambda f: f.cancelled() or f.exception())
             self._stream_lock.release()
-            log.info("step_stream_closed", peer=context.peer())
+            log.info("step_stream_closed", peer=peer)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
