@@ -15,7 +15,8 @@ its sequences count its tokens as computed, and each token it samples becomes pe
 (`Sequence.pending`), fed to the next step as a deferred input the worker fills in from its
 previous step. It does this only when the outcome cannot change the plan: no sequence of the
 plan in flight is forked, a beam, penalized (its history would lack the token) or scoring its
-prompt; no block would run short (no preemption); no higher-priority group waits. Otherwise it
+prompt; no running group is about to fork; no block would run short (no preemption); no
+higher-priority group waits. Otherwise it
 returns None and the engine waits for the result. A sequence that ends on the token in flight
 (eos, stop) wastes its row of the step planned ahead; `update` of that step skips it.
 
@@ -278,6 +279,8 @@ class Scheduler:
         head = self._planner.head()
         if head is not None and self.running and head.priority < self.running[-1].priority:
             return False  # it might preempt: wait for the result
+        if any(g.needs_fork for g in self.running):
+            return False  # its samples' copies of the shared block could run the pool short
         if record.advanced:
             return self._planner.running_need() <= self.block_manager.num_free_blocks
         for seq in record.seqs:
@@ -317,6 +320,9 @@ class Scheduler:
         """Give back the group's device blocks, by swap or recompute; it keeps its place in line."""
         bm = self.block_manager
         live = group.live()
+        if any(seq.pending for seq in live):
+            # Planning ahead never preempts (_plan_ahead); the token in flight would be lost.
+            raise RuntimeError(f"group {group.request_id} preempted with a token in flight")
         ids = [s.seq_id for s in live]
         num_blocks = len(bm.unique_blocks(ids))
         computed = sum(s.num_computed_tokens for s in live)

@@ -245,6 +245,10 @@ class ModelRunner:
         where = np.flatnonzero(plan.input_ids == DEFERRED_INPUT)
         if not where.size:
             return plan
+        try:
+            plan.validate()  # the offsets below assume consistent arrays
+        except ValueError as error:
+            raise PlanError(str(error)) from error
         ends = np.cumsum(plan.query_lens)
         rows = np.searchsorted(ends, where, side="right")  # the sequence of each deferred token
         if not np.array_equal(ends[rows] - 1, where):
