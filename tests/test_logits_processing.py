@@ -84,12 +84,12 @@ def test_logit_bias_adds_and_bans_only_its_rows() -> None:
 
 def _frequencies(logits: torch.Tensor, n: int, **filters: float) -> torch.Tensor:
     b = dict(
-        temperature=torch.full((n,), filters.get("temperature", 1.0)),
-        top_p=torch.full((n,), filters.get("top_p", 1.0)),
-        top_k=torch.full((n,), int(filters.get("top_k", 0)), dtype=torch.int32),
-        seed=torch.arange(n, dtype=torch.int64),
-        position=torch.zeros(n, dtype=torch.int32),
-        min_p=torch.full((n,), filters.get("min_p", 0.0)),
+        temperature=np.full(n, filters.get("temperature", 1.0), np.float32),
+        top_p=np.full(n, filters.get("top_p", 1.0), np.float32),
+        top_k=np.full(n, int(filters.get("top_k", 0)), np.int32),
+        seed=np.arange(n, dtype=np.int64),
+        position=np.zeros(n, np.int32),
+        min_p=np.full(n, filters.get("min_p", 0.0), np.float32),
     )
     tokens = sample(logits.repeat(n, 1), **b)
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / n

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker_svc.sampler import sample, uniform
 
 
-def batch(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> dict[str, torch.Tensor]:
+def batch(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> dict[str, np.ndarray]:
+    # Host arrays, as the plan carries them.
     return dict(
-        temperature=torch.full((n,), temperature),
-        top_p=torch.full((n,), top_p),
-        top_k=torch.full((n,), top_k, dtype=torch.int32),
-        seed=torch.arange(n, dtype=torch.int64),
-        position=torch.zeros(n, dtype=torch.int32),
+        temperature=np.full(n, temperature, np.float32),
+        top_p=np.full(n, top_p, np.float32),
+        top_k=np.full(n, top_k, np.int32),
+        seed=np.arange(n, dtype=np.int64),
+        position=np.zeros(n, np.int32),
     )
 
 

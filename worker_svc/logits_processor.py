@@ -80,8 +80,9 @@ def _penalize(out: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> None
     seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
     seen[w, t] = True
     counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
-    out_mask = torch.from_numpy(is_output).to(dev)
-    counts.index_put_((w[out_mask], t[out_mask]), torch.ones(int(out_mask.sum()), device=dev), accumulate=True)
+    # Output occurrences selected on the host: a boolean index on the device would wait for it.
+    ow, ot = torch.from_numpy(which[is_output]).to(dev), torch.from_numpy(tokens[is_output]).to(dev)
+    counts.index_put_((ow, ot), torch.ones(ow.shape[0], device=dev), accumulate=True)
     rep = torch.from_numpy(batch.repetition_penalty[rows]).to(dev)[:, None]
     penalized = torch.where(out > 0, out / rep, out * rep)
     out.copy_(torch.where(seen, penalized, out))

@@ -34,33 +34,51 @@ def logits_stats(logits: torch.Tensor, cpu_kernels: Any = None) -> tuple[torch.T
     return wide.argmax(dim=-1), torch.logsumexp(wide, dim=-1)
 
 
-def step_logprobs(
+def logprob_tensors(
     logits: torch.Tensor,  # [len(rows), vocab], raw, any float dtype
     lse: torch.Tensor,  # float32 [len(rows)] logsumexp of each row (logits_stats)
     tokens: torch.Tensor,  # int64 [len(rows)] the sampled tokens
     rows: np.ndarray,  # [len(rows)] which of the plan's sequences sampled
     num_logprobs: I32,  # [n] or empty (0 for every sequence)
-    num_seqs: int,
-) -> tuple[F32, I32, F32]:
-    """(logprobs, top_token_ids, top_logprobs) of the whole plan, as numpy arrays."""
-    chosen = np.full(num_seqs, np.nan, np.float32)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the logits' device: (the sampled tokens' log-probabilities [len(rows)], the best
+    alternatives' log-probabilities and ids [rows asking, K], best first), K the most any
+    sampled row asks; `logprob_arrays` lays them out once they are on the host."""
     asked = num_logprobs[rows] if num_logprobs.size else np.zeros(len(rows), np.int32)
     width = int(asked.max()) if asked.size else 0
-    top_ids = np.full((num_seqs, width), -1, np.int32)
-    top_lps = np.full((num_seqs, width), -np.inf, np.float32)
+    chosen = logits.gather(1, tokens.view(-1, 1)).squeeze(1).float() - lse
+    if not width:
+        empty = logits.new_zeros((0, 0), dtype=torch.float32)
+        return chosen, empty, empty.long()
+    index = torch.from_numpy(np.flatnonzero(asked > 0)).to(logits.device)
+    # The most likely tokens are the largest logits; log-probabilities are logits - lse.
+    values, ids = logits.index_select(0, index).float().topk(width, dim=-1)
+    return chosen, values - lse.index_select(0, index)[:, None], ids
+
+
+def logprob_arrays(
+    chosen: F32,  # [len(rows)] from logprob_tensors, on the host
+    top_values: F32,  # [rows asking, K]
+    top_ids: np.ndarray,  # int64 [rows asking, K]
+    rows: np.ndarray,
+    num_logprobs: I32,
+    num_seqs: int,
+) -> tuple[F32, I32, F32]:
+    """(logprobs, top_token_ids, top_logprobs) of the whole plan (layout in the module doc)."""
+    out = np.full(num_seqs, np.nan, np.float32)
+    asked = num_logprobs[rows] if num_logprobs.size else np.zeros(len(rows), np.int32)
+    width = int(asked.max()) if asked.size else 0
+    ids = np.full((num_seqs, width), -1, np.int32)
+    lps = np.full((num_seqs, width), -np.inf, np.float32)
     if not len(rows):
-        return chosen, top_ids, top_lps
-    chosen[rows] = (logits.gather(1, tokens.view(-1, 1)).squeeze(1).float() - lse).cpu().numpy()
+        return out, ids, lps
+    out[rows] = chosen
     if width:
         asking = np.flatnonzero(asked > 0)
-        index = torch.from_numpy(asking).to(logits.device)
-        # The most likely tokens are the largest logits; log-probabilities are logits - lse.
-        values, ids = logits.index_select(0, index).float().topk(width, dim=-1)  # [asking, width], best first
-        values = values - lse.index_select(0, index)[:, None]
         keep = np.arange(width)[None, :] < asked[asking, None]  # a row's own num_logprobs
-        top_ids[rows[asking]] = np.where(keep, ids.cpu().numpy(), -1)
-        top_lps[rows[asking]] = np.where(keep, values.cpu().numpy(), -np.inf)
-    return chosen, top_ids, top_lps
+        ids[rows[asking]] = np.where(keep, top_ids, -1)
+        lps[rows[asking]] = np.where(keep, top_values, -np.inf)
+    return out, ids, lps
 
 
 _SLICE = 256  # prompt positions scored at once

@@ -22,6 +22,7 @@ from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from worker_svc import kv_cache
 from worker_svc.host_allocator import keep_freed_memory
+from worker_svc.host_copy import to_host
 from worker_svc.kv_cache import KVCache
 from worker_svc.loader import (
     head_dim_of,
@@ -32,9 +33,10 @@ from worker_svc.loader import (
     resolve_dtype,
 )
 from worker_svc.logits_processor import process_logits, processed_rows
-from worker_svc.logprobs import logits_stats, prompt_logprobs, step_logprobs
+from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
 from worker_svc.layers import cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup
+from worker_svc.probe_plans import decode_step, heaviest_step
 from worker_svc.sampler import sample
 from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.step_buckets import gemm_buckets, graph_buckets, pad_rows
@@ -72,6 +74,7 @@ class ModelRunner:
         self.shape = self.model.shape
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
+        self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)
         num_blocks = self._kv_capacity()
         self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
         log.info(
@@ -88,7 +91,25 @@ class ModelRunner:
             gib=round(self.kv.host_nbytes / kv_cache.GIB, 3),
             pinned=self.kv.pinned,
         )
+        if self._warms_up():
+            self._warm_up()
         self._graphs = self._capture_graphs() if self._use_graphs() else None
+
+    def _warms_up(self) -> bool:
+        # Triton compiles a kernel on its first launch (seconds): on CUDA that happens here,
+        # not in the first requests' steps.
+        return self.device.type == "cuda"
+
+    def _warm_up(self) -> None:
+        """A prompt step and a decode step after it, in blocks 0-1, before any sequence owns them."""
+        if self.kv.num_blocks < 2:
+            return
+        context = self.block_size + self.block_size // 2
+        prompt, _ = heaviest_step(context, 1, self.block_size, self.shape.vocab_size)
+        for plan in (prompt, decode_step(self.block_size, self.shape.vocab_size)):
+            self.execute(plan)
+        self._last_sampled = {}
+        log.info("worker_warmed_up", steps=("prompt", "decode"))
 
     def _use_graphs(self) -> bool:
         # Profiling synchronizes the device at every part, which a capture cannot contain.
@@ -128,7 +149,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        if cache.kv_cache_gb is not None or self.device.type != "cuda":
+        if cache.kv_cache_gb is not None or not self._profiles_memory():
             budget = (cache.kv_cache_gb or kv_cache.DEFAULT_CPU_KV_GB) * kv_cache.GIB
         else:
             budget = self._profile_cuda_budget()
@@ -141,15 +162,19 @@ class ModelRunner:
             return cache.num_cpu_blocks
         return kv_cache.blocks_in(cache.swap_space_gb * kv_cache.GIB, self.shape, self.block_size, self.dtype)
 
+    def _profiles_memory(self) -> bool:
+        return self.device.type == "cuda"
+
     def _profile_cuda_budget(self) -> float:
-        """What is left of gpu_memory_utilization after weights and the peak of a full-size step."""
+        """What is left of gpu_memory_utilization after weights and the peak of the heaviest
+        step (worker_svc/probe_plans.py): a full token budget over max_num_seqs sampled rows."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // self.block_size)
+        plan, blocks = heaviest_step(tokens, self.config.max_num_seqs, self.block_size, self.shape.vocab_size)
         self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        plan = _profile_plan(tokens, blocks, self.shape.vocab_size)
         self.execute(plan)
+        self._last_sampled = {}
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes
         del self.kv
@@ -298,9 +323,11 @@ class ModelRunner:
         with self._section("sampling"):
             s = plan.sampling
             tokens, lse = self._sample(logits, s, rows)
-            sampled[rows] = tokens.cpu().numpy()
+            chosen, top_values, top_indices = logprob_tensors(logits, lse, tokens, rows, s.num_logprobs)
+            host = to_host(tokens, chosen, top_values, top_indices)  # the step's only wait for the device
+            sampled[rows] = host[0]
             self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
-            logprobs, top_ids, top_lps = step_logprobs(logits, lse, tokens, rows, s.num_logprobs, plan.num_seqs)
+            logprobs, top_ids, top_lps = logprob_arrays(*host[1:], rows, s.num_logprobs, plan.num_seqs)
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
             fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
@@ -322,34 +349,11 @@ class ModelRunner:
         dev = logits.device
         index = torch.from_numpy(slow).to(dev)
 
-        def pick(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a[sub])).to(dev)
-
         processed = process_logits(logits.index_select(0, index).float(), s, sub)
-        min_p = pick(s.min_p) if s.min_p.size else None
-        drawn = sample(processed, pick(s.temperature), pick(s.top_p), pick(s.top_k), pick(s.seed),
-                       pick(s.output_position), min_p)
+        min_p = s.min_p[sub] if s.min_p.size else None
+        drawn = sample(processed, s.temperature[sub], s.top_p[sub], s.top_k[sub], s.seed[sub], s.output_position[sub],
+                       min_p)
         return argmax.index_copy(0, index, drawn), lse
 
     def _parts(self) -> dict[str, float]:
         return self._profile.take() if self._profile is not None else {}
-
-def _profile_plan(tokens: int, blocks: int, vocab_size: int) -> StepPlan:
-    """One sequence of `tokens` random tokens, sampled at the end: the largest step we plan."""
-    rng = np.random.default_rng(0)
-    return StepPlan(
-        step_id=0,
-        seq_ids=np.zeros(1, np.int64),
-        query_lens=np.array([tokens], np.int32),
-        context_lens=np.zeros(1, np.int32),
-        input_ids=rng.integers(0, vocab_size, tokens, dtype=np.int32),
-        block_tables=np.arange(blocks, dtype=np.int32)[None, :],
-        sample=np.ones(1, np.uint8),
-        sampling=SamplingBatch(
-            temperature=np.ones(1, np.float32),
-            top_p=np.full(1, 0.9, np.float32),
-            top_k=np.zeros(1, np.int32),
-            seed=np.zeros(1, np.int64),
-            output_position=np.zeros(1, np.int32),
-        ),
-    )

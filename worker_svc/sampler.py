@@ -15,6 +15,7 @@ neighbours in the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -47,33 +48,45 @@ def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor,  # float32 [n, vocab]
-    temperature: torch.Tensor,  # float32 [n], 0 = greedy
-    top_p: torch.Tensor,  # float32 [n], 1 = off
-    top_k: torch.Tensor,  # int32 [n], 0 = off
-    seed: torch.Tensor,  # int64 [n]
-    position: torch.Tensor,  # int32 [n]
-    min_p: torch.Tensor | None = None,  # float32 [n], 0 = off; None = off for every row
+    temperature: np.ndarray,  # float32 [n], 0 = greedy
+    top_p: np.ndarray,  # float32 [n], 1 = off
+    top_k: np.ndarray,  # int32 [n], 0 = off
+    seed: np.ndarray,  # int64 [n]
+    position: np.ndarray,  # int32 [n]
+    min_p: np.ndarray | None = None,  # float32 [n], 0 = off; None = off for every row
 ) -> torch.Tensor:
-    """Returns int64 [n] token ids."""
+    """Returns int64 [n] token ids, on the logits' device.
+
+    The parameters are host arrays (the plan's): which rows take which path is decided on
+    the host, so on CUDA nothing here waits for the device.
+    """
     tokens = logits.argmax(dim=-1)
-    random = temperature > 0
-    if not bool(random.any()):
+    temperature, top_p, top_k = np.asarray(temperature), np.asarray(top_p), np.asarray(top_k)
+    random = np.flatnonzero(temperature > 0)
+    if not random.size:
         return tokens
-    rows = random.nonzero().squeeze(1)
-    scaled = logits[rows] / temperature[rows, None]
-    if min_p is not None and bool((min_p[rows] > 0).any()):
+    dev = logits.device
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[random])).to(dev)
+
+    rows = torch.from_numpy(random).to(dev)
+    scaled = logits.index_select(0, rows) / put(temperature)[:, None]
+    if min_p is not None and bool((np.asarray(min_p)[random] > 0).any()):
         # min-p on the temperature-scaled distribution, before top-k and top-p (vLLM's order).
         probs = torch.softmax(scaled, dim=-1)
-        scaled = scaled.masked_fill(probs < min_p[rows, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    u = uniform(seed[rows], position[rows])
-    truncated = (top_k[rows] > 0) | (top_p[rows] < 1)
-    picked = torch.empty_like(rows)
-    plain = (~truncated).nonzero().squeeze(1)
-    if plain.numel():
-        picked[plain] = _inverse_cdf(torch.softmax(scaled[plain], dim=-1), u[plain])
-    trunc = truncated.nonzero().squeeze(1)
-    if trunc.numel():
-        picked[trunc] = _sample_truncated(scaled[trunc], top_k[rows][trunc], top_p[rows][trunc], u[trunc])
+        scaled = scaled.masked_fill(probs < put(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    u = uniform(put(seed), put(position))
+    truncated = (top_k[random] > 0) | (top_p[random] < 1)
+    picked = torch.empty(random.size, dtype=torch.int64, device=dev)
+    plain = np.flatnonzero(~truncated)
+    if plain.size:
+        at = torch.from_numpy(plain).to(dev)
+        picked[at] = _inverse_cdf(torch.softmax(scaled[at], dim=-1), u[at])
+    trunc = np.flatnonzero(truncated)
+    if trunc.size:
+        at = torch.from_numpy(trunc).to(dev)
+        picked[at] = _sample_truncated(scaled[at], put(top_k)[at], put(top_p)[at], u[at])
     tokens[rows] = picked
     return tokens
 

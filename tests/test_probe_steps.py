@@ -1,0 +1,180 @@
+"""What a worker runs on itself before serving, and what a step waits for.
+
+- On CUDA the KV cache is sized from the memory peak of the heaviest step it can be sent: a
+  full token budget over `max_num_seqs` rows, every row sampled with top-p, penalties, bias,
+  min-p and alternatives, and prompt log-probabilities. Run here on the CPU with the CUDA
+  memory calls faked: the profile must execute that plan, whole.
+- On CUDA a warm-up runs a prompt step and a decode step before serving, so Triton compiles
+  the decode kernels then, not in the first requests' steps (here through the interpreter,
+  counting decode-kernel launches).
+- Sampling decides on the host which rows take which path, and a step copies its results
+  from the device once: no call that would wait for a CUDA device inside the sampler, the
+  logit processing or the log-probabilities (a torch function mode records them on the CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.config import CacheConfig, WorkerConfig
+from common.plan import SamplingBatch, StepPlan, StepResult
+from worker_svc import kv_cache
+from worker_svc import runner as runner_module
+from worker_svc import triton_attention as backend
+from worker_svc.logits_processor import process_logits
+from worker_svc.logprobs import logprob_tensors
+from worker_svc.probe_plans import PROFILE_LOGPROBS, heaviest_step
+from worker_svc.runner import ModelRunner
+from worker_svc.sampler import sample
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("probe-model")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+    LlamaForCausalLM(cfg).float().save_pretrained(str(path))
+    return path
+
+
+class _Executed:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[tuple[StepPlan, StepResult]] = []
+        execute = ModelRunner.execute
+
+        def spy(runner: ModelRunner, plan: StepPlan) -> StepResult:
+            result = execute(runner, plan)
+            self.steps.append((plan, result))
+            return result
+
+        monkeypatch.setattr(ModelRunner, "execute", spy)
+
+
+MIB = 1 << 20
+
+
+def _fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB device with 48 MiB free, 8 MiB of it ours; the peak 1 MiB above that."""
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (48 * MIB, 64 * MIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8 * MIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * MIB)
+
+
+def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    executed = _Executed(monkeypatch)
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
+    config = WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
+                          max_num_batched_tokens=96, max_num_seqs=24, cache=CacheConfig(block_size=16, num_cpu_blocks=0))
+    runner = ModelRunner(config)
+    assert len(executed.steps) == 1
+    plan, result = executed.steps[0]
+    s = plan.sampling
+    assert plan.num_seqs == 24 and plan.num_tokens == 96 and plan.sample.all()
+    assert (s.temperature > 0).all() and (s.top_p < 1).all() and (s.top_k > 0).all() and (s.min_p > 0).all()
+    assert (s.repetition_penalty != 1).all() and (s.presence_penalty > 0).all() and (s.frequency_penalty > 0).all()
+    assert np.diff(s.history_offsets).min() > 0 and np.diff(s.bias_offsets).min() > 0
+    assert (s.num_logprobs == PROFILE_LOGPROBS).all() and s.prompt_logprobs[0] == PROFILE_LOGPROBS
+    # It ran through every path: a token for every row, alternatives, the chunk's prompt scores.
+    assert (result.sampled_token_ids >= 0).all()
+    assert result.top_token_ids.shape == (24, PROFILE_LOGPROBS) and (result.top_token_ids >= 0).all()
+    assert result.prompt_logprobs.size == plan.query_lens[0] - 1
+    # The budget: 0.9 x 64 MiB, less the 8 MiB others use, less the step's peak (9 MiB with
+    # the probe's own cache in it).
+    probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(runner.shape, 16, runner.dtype)
+    budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache)
+    assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
+    assert runner._last_sampled == {}  # noqa: SLF001 (nothing of the probe carries over)
+
+
+@pytest.mark.parametrize(("tokens", "seqs"), [(96, 24), (2048, 256), (5, 256), (1, 1), (300, 1)])
+def test_the_heaviest_step_is_a_valid_plan_over_distinct_blocks(tokens: int, seqs: int) -> None:
+    plan, blocks = heaviest_step(tokens, seqs, 16, 1000)
+    plan.validate()
+    assert plan.num_tokens == tokens and plan.num_seqs == min(seqs, tokens)
+    used = plan.block_tables[plan.block_tables >= 0]
+    assert sorted(used.tolist()) == list(range(blocks))
+    assert all(len(row[row >= 0]) * 16 >= q for row, q in zip(plan.block_tables, plan.query_lens))
+
+
+def test_the_warm_up_launches_the_decode_kernel_before_serving(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    executed = _Executed(monkeypatch)
+    launches = {"decode": 0}
+    launch = backend.paged_decode_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        launches["decode"] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "paged_decode_attention", counted)
+    monkeypatch.setattr(ModelRunner, "_warms_up", lambda self: True)
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="triton",
+                                      cache=CacheConfig(block_size=16, num_gpu_blocks=8), max_num_seqs=4))
+    assert [p.query_lens.tolist() for p, _ in executed.steps] == [[24], [1]]
+    assert executed.steps[1][0].context_lens.tolist() == [24]
+    assert launches["decode"] > 0
+    assert runner._last_sampled == {}  # noqa: SLF001
+
+
+# Calls that make the host wait for a CUDA device (a value or a size that lives there).
+WAITS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero", "masked_select",
+         "unique"}
+
+
+class _Waits(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in WAITS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_logit_processing_and_logprobs_never_wait_for_the_device() -> None:
+    plan, _ = heaviest_step(40, 8, 16, 500)
+    s = plan.sampling
+    s.temperature[::3] = 0.0  # greedy rows beside drawn ones
+    s.top_p[1::2] = 1.0
+    s.top_k[1::2] = 0  # rows that walk the distribution in vocabulary order
+    rows = np.arange(plan.num_seqs)
+    torch.manual_seed(0)
+    logits = torch.randn(plan.num_seqs, 500)
+    with _Waits() as waits:
+        processed = process_logits(logits, s, rows)
+        tokens = sample(processed, s.temperature, s.top_p, s.top_k, s.seed, s.output_position, s.min_p)
+        lse = torch.logsumexp(logits, dim=-1)
+        logprob_tensors(logits, lse, tokens, rows, s.num_logprobs)
+    assert waits.calls == []
+    assert tokens.shape == (plan.num_seqs,)
+
+
+def test_a_step_copies_its_results_from_the_device_once(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
+                                      cache=CacheConfig(block_size=16, num_gpu_blocks=32), max_num_seqs=8))
+    copies: list[int] = []
+    to_host = runner_module.to_host
+
+    def counted(*tensors: torch.Tensor) -> list[np.ndarray]:
+        copies.append(len(tensors))
+        return to_host(*tensors)
+
+    monkeypatch.setattr(runner_module, "to_host", counted)
+    plan, _ = heaviest_step(40, 8, 16, runner.shape.vocab_size)
+    plan = StepPlan(**{**plan.__dict__, "sampling": SamplingBatch(**{**plan.sampling.__dict__,
+                                                                     "prompt_logprobs": np.zeros(0, np.int32),
+                                                                     "prompt_next_token": np.zeros(0, np.int32)})})
+    result = runner.execute(plan)
+    assert copies == [4] and (result.sampled_token_ids >= 0).all()
