@@ -10,8 +10,15 @@ Measures, in one JSON file:
                    >= 60 % of the copy bandwidth on the 64 x 4k case (stretch 80 %)
   prefill          paged_prefill_attention on fresh prompts against causal SDPA; target:
                    >= 40 % of the measured bf16 dense matmul peak
-  e2e              greedy decoding of a random-weight Llama-3.2-1B-shaped model through the
-                   worker's ModelRunner and our scheduler, triton backend vs torch backend
+  large_cache      decode over a per-layer cache past 2^31 elements, reading its highest blocks,
+                   against torch over the same blocks
+  token_limit      RMSNorm, SiLU-and-mul and rotary over a step whose rows pass 2^31 elements
+  e2e              greedy decoding of a random-weight Llama-3.2-1B-shaped model (llama3-scaled
+                   RoPE) through the worker's ModelRunner and our scheduler: triton with CUDA
+                   graphs, triton eager, torch
+  sampling_peak    the heaviest step (token budget x 256 sampled rows, top-p, penalties,
+                   logprobs) on the sized cache against the memory profile that sized it
+  tensor_parallel  `llmserve up --tp 2` against --tp 1, greedy (with 2 GPUs; on CPU in --smoke)
 """
 
 from __future__ import annotations
@@ -109,11 +116,40 @@ def bench_prefill(seqs: int, length: int, device: torch.device, iters: int, head
             "ours_flops_per_s": flops / ours, "sdpa_flops_per_s": flops / sdpa}
 
 
-def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
+def make_model(directory: str, device: torch.device, smoke: bool) -> dict[str, Any]:
+    """A random-weight Llama-3.2-1B-shaped checkpoint (llama3-scaled RoPE, 128k vocabulary),
+    tiny with `smoke`; returns its shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, max_position_embeddings=512) if smoke else dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, max_position_embeddings=8192)
+    shape["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256 if smoke else 8192}
+    torch.manual_seed(0)
+    with torch.device(device):  # random init of 1.2B parameters is much faster on the GPU
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, initializer_range=0.05, **shape))
+    model.to(torch.bfloat16).save_pretrained(directory)
+    _write_tokenizer(directory, int(shape["vocab_size"]))  # type: ignore[call-overload]
+    return shape
+
+
+def _write_tokenizer(directory: str, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per id ("t0", "t1", ...): the services need a fast
+    tokenizer, and a lent device machine cannot download one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(directory)
+
+
+def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
     """Greedy decoding through ModelRunner + Scheduler, same weights: the triton backend with
     CUDA graphs for decode steps, the triton backend eager (--enforce-eager), and torch."""
     import numpy as np
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from common.config import CacheConfig, SchedulerConfig, WorkerConfig
     from scheduler_svc.block_manager import BlockManager
@@ -122,47 +158,187 @@ def bench_e2e(device: torch.device, smoke: bool, steps: int) -> dict[str, Any]:
     from scheduler_svc.sequence_group import SequenceGroup
     from worker_svc.runner import ModelRunner
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=512, max_position_embeddings=512) if smoke else dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, vocab_size=128256, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.device(device):  # random init of 1.2B parameters is much faster on the GPU
-            model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, initializer_range=0.05, **shape))
-        model.to(torch.bfloat16).save_pretrained(tmp)
-        del model
-        results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
-        tokens: dict[str, list[list[int]]] = {}
-        for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True), ("torch", "torch", True)):
-            dtype = "float32" if device.type == "cpu" else "bfloat16"
-            runner = ModelRunner(WorkerConfig(model=tmp, dtype=dtype, device=str(device), attention_backend=backend,
-                                              cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096),
-                                              enforce_eager=eager, max_num_seqs=4 if smoke else 32))
-            sched = Scheduler(SchedulerConfig(), BlockManager(runner.kv.num_blocks, 16), runner.max_model_len, frozenset())
-            rng = np.random.default_rng(0)
-            seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
-                             StoppingParams(max_tokens=steps), arrival=i) for i in range(4 if smoke else 32)]
-            for s in seqs:
-                sched.add(SequenceGroup.of(s))
-            start, generated = time.perf_counter(), 0
-            while (plan := sched.schedule()) is not None:
-                generated += len(sched.update(plan, runner.execute(plan)))
-            seconds = time.perf_counter() - start
-            tokens[name] = [s.output_token_ids for s in seqs]
-            results[name] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
-                             "cuda_graphs": runner._graphs is not None}
-            del runner
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"]))
-        results["sequences_identical_between_backends"] = f"{same}/{len(tokens['torch'])}"
-        same = sum(a == b for a, b in zip(tokens["triton"], tokens["triton_eager"]))
-        results["sequences_identical_graphs_vs_eager"] = f"{same}/{len(tokens['triton'])}"
-        results["graphs_speedup"] = results["triton"]["tokens_per_s"] / results["triton_eager"]["tokens_per_s"]
+    results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True), ("torch", "torch", True)):
+        dtype = "float32" if device.type == "cpu" else "bfloat16"
+        runner = ModelRunner(WorkerConfig(model=model_dir, dtype=dtype, device=str(device), attention_backend=backend,
+                                          cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096),
+                                          enforce_eager=eager, max_num_seqs=4 if smoke else 32))
+        sched = Scheduler(SchedulerConfig(), BlockManager(runner.kv.num_blocks, 16), runner.max_model_len, frozenset())
+        rng = np.random.default_rng(0)
+        seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
+                         StoppingParams(max_tokens=steps), arrival=i) for i in range(4 if smoke else 32)]
+        for s in seqs:
+            sched.add(SequenceGroup.of(s))
+        start, generated = time.perf_counter(), 0
+        while (plan := sched.schedule()) is not None:
+            generated += len(sched.update(plan, runner.execute(plan)))
+        seconds = time.perf_counter() - start
+        tokens[name] = [s.output_token_ids for s in seqs]
+        results[name] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+                         "cuda_graphs": runner._graphs is not None}
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"]))
+    results["sequences_identical_between_backends"] = f"{same}/{len(tokens['torch'])}"
+    same = sum(a == b for a, b in zip(tokens["triton"], tokens["triton_eager"]))
+    results["sequences_identical_graphs_vs_eager"] = f"{same}/{len(tokens['triton'])}"
+    results["graphs_speedup"] = results["triton"]["tokens_per_s"] / results["triton_eager"]["tokens_per_s"]
     return results
+
+
+INT32_LIMIT = 1 << 31
+
+
+def check_large_cache(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Decode over a per-layer cache of more than 2^31 elements, reading its highest blocks
+    (where a 32-bit block offset wraps), against attention over the same blocks in torch."""
+    from kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, block, batch, ctx = (4, 2, 64, 16, 2, 64) if smoke else (32, 8, 128, 16, 4, 512)
+    stride = block * kv_heads * head_dim
+    num_blocks = 64 if smoke else INT32_LIMIT // stride + 1024
+    k = torch.empty(num_blocks, block, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    per_seq = ctx // block
+    tables = (num_blocks - 1 - torch.arange(batch * per_seq, device=device)).view(batch, per_seq).to(torch.int32)
+    used = tables.flatten().long()
+    k[used] = torch.randn(used.numel(), block, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v[used] = torch.randn_like(k[used])
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, k, v, tables, seq_lens, head_dim**-0.5)
+    kc = k[tables.long()].reshape(batch, ctx, kv_heads, head_dim).transpose(1, 2).float()
+    vc = v[tables.long()].reshape(batch, ctx, kv_heads, head_dim).transpose(1, 2).float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float().unsqueeze(2), kc, vc, enable_gqa=True).squeeze(2)
+    err = float((out.float() - ref).abs().max())
+    return {"elements_per_layer": k.numel(), "past_int32": k.numel() > INT32_LIMIT,
+            "highest_element_read": (num_blocks * stride) - 1, "max_abs_err": err, "ok": err < 3e-2}
+
+
+def check_token_limit(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Row kernels over a step whose rows x row stride pass 2^31 elements (where 32-bit row
+    offsets wrapped): RMSNorm with residual, SiLU-and-mul and rotary, checked on the last rows."""
+    from kernels.activation import silu_and_mul, silu_and_mul_reference
+    from kernels.rms_norm import rms_norm, rms_norm_reference
+    from kernels.rotary import apply_rotary, apply_rotary_reference
+
+    hidden, heads, head_dim = (64, 4, 16) if smoke else (8192, 32, 128)
+    tail = 64
+    results: dict[str, Any] = {}
+
+    def rows_past(width: int) -> int:
+        return 256 if smoke else INT32_LIMIT // width + 1024
+
+    def record(name: str, tokens: int, width: int, got: torch.Tensor, want: torch.Tensor) -> None:
+        # Relative to the largest value: both sides round to bfloat16 (a unit in the last place is 2^-8).
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        results[name] = {"tokens": tokens, "elements": tokens * width, "past_int32": tokens * width > INT32_LIMIT,
+                         "max_rel_err_last_rows": err, "ok": err < 2e-2}
+        print(f"token limit {name}: {tokens} tokens, relative error {err:.3g}", flush=True)
+
+    tokens = rows_past(hidden)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device=device, dtype=torch.bfloat16)
+    want, _ = rms_norm_reference(x[-tail:], weight, 1e-6, residual[-tail:].clone())
+    got, _ = rms_norm(x, weight, 1e-6, residual)
+    record("rms_norm", tokens, hidden, got[-tail:], want)
+    del x, residual, got
+
+    tokens = rows_past(2 * hidden)
+    x = torch.randn(tokens, 2 * hidden, device=device, dtype=torch.bfloat16)
+    got = silu_and_mul(x)
+    want = silu_and_mul_reference(x[-tail:])
+    record("silu_and_mul", tokens, 2 * hidden, got[-tail:], want)
+    del x, got
+
+    tokens = rows_past(heads * head_dim)
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(tokens, max(1, heads // 4), head_dim, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(tokens, device=device, dtype=torch.int64) % 4096
+    angles = torch.arange(4096, device=device, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, device=device)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    want_q, _ = apply_rotary_reference(q[-tail:], k[-tail:], positions[-tail:], cos, sin)
+    apply_rotary(q, k, positions, cos, sin)
+    record("rotary", tokens, heads * head_dim, q[-tail:], want_q)
+    return results
+
+
+def check_sampling_peak(model_dir: str, device: torch.device) -> dict[str, Any]:
+    """The heaviest step run on the sized cache peaks no higher than the profile that sized it."""
+    from common.config import CacheConfig, WorkerConfig
+    from worker_svc.probe_plans import heaviest_step
+    from worker_svc.runner import ModelRunner
+
+    runner = ModelRunner(WorkerConfig(model=model_dir, dtype="bfloat16", device=str(device), attention_backend="triton",
+                                      cache=CacheConfig(gpu_memory_utilization=0.5), max_num_seqs=256,
+                                      max_num_batched_tokens=8192))
+    plan, _ = heaviest_step(8192, 256, runner.block_size, runner.shape.vocab_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    runner.execute(plan)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    profiled = runner.profiled_peak_bytes
+    return {"profiled_peak_bytes": profiled, "measured_step_peak_bytes": peak,
+            "within_profile": profiled is not None and peak <= profiled, "num_gpu_blocks": runner.kv.num_blocks}
+
+
+def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> dict[str, Any]:
+    """`llmserve up --tp 2` streams, greedy, what `--tp 1` streams (bfloat16 on CUDA: NCCL)."""
+    import socket
+    import signal
+
+    from common.client import LlmserveClient
+
+    prompts = [[300 + 17 * i + j for j in range(8 + 24 * i)] for i in range(4)]
+    outputs: dict[int, list[list[int]]] = {}
+    seconds: dict[int, float] = {}
+    for tp in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", "--model", model_dir,
+               "--port", str(port), "--tp", str(tp), "--device", device.type, "--dtype", dtype]
+        if device.type == "cpu":
+            cmd += ["--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
+        try:
+            _wait_serving(f"127.0.0.1:{port}", proc, f"llmserve up --tp {tp}")
+            with LlmserveClient(f"127.0.0.1:{port}") as client:
+                start = time.perf_counter()
+                outputs[tp] = [[t for m in client.generate(prompt_token_ids=p, max_tokens=24, ignore_eos=True)
+                                for t in m.token_ids] for p in prompts]
+                seconds[tp] = time.perf_counter() - start
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    same = sum(a == b for a, b in zip(outputs[1], outputs[2]))
+    return {"sequences_identical_tp2_vs_tp1": f"{same}/{len(prompts)}", "seconds": seconds}
+
+
+def _wait_serving(address: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> None:
+    """Until the service's health check says SERVING (its workers are ready)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start serving")
+            time.sleep(1)
 
 
 def run_kernel_tests() -> dict[str, Any]:
@@ -237,8 +413,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
               f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}", flush=True)
     save()
-    result["e2e"] = bench_e2e(device, args.smoke, steps=4 if args.smoke else 128)
-    print("e2e:", json.dumps(result["e2e"]), flush=True)
+    result["large_cache"] = check_large_cache(device, args.smoke)
+    print("large cache:", json.dumps(result["large_cache"]), flush=True)
+    save()
+    result["token_limit"] = check_token_limit(device, args.smoke)
+    save()
+    with tempfile.TemporaryDirectory() as model_dir:
+        shape = make_model(model_dir, device, args.smoke)
+        result["e2e"] = bench_e2e(model_dir, shape, device, args.smoke, steps=4 if args.smoke else 128)
+        print("e2e:", json.dumps(result["e2e"]), flush=True)
+        save()
+        if cuda:
+            result["sampling_peak"] = check_sampling_peak(model_dir, device)
+            print("sampling peak:", json.dumps(result["sampling_peak"]), flush=True)
+            save()
+        if torch.cuda.device_count() >= 2 or args.smoke:
+            result["tensor_parallel"] = check_tensor_parallel(model_dir, device, args.smoke)
+            print("tensor parallel:", json.dumps(result["tensor_parallel"]), flush=True)
     result["targets"] = {
         "decode_64x4k_fraction_of_copy_bandwidth": result["decode"][0]["fraction_of_copy_bandwidth"],
         "decode_target_met": result["decode"][0]["fraction_of_copy_bandwidth"] >= 0.6,

@@ -45,5 +45,9 @@ def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
     assert result["copy_bandwidth_bytes_per_s"] > 0 and result["bf16_matmul_peak_flops_per_s"] > 0
     assert result["decode"][0]["ours_s"] > 0 and result["prefill"][0]["ours_s"] > 0
     assert result["e2e"]["sequences_identical_between_backends"] == "4/4"
+    assert result["large_cache"]["ok"] and result["large_cache"]["max_abs_err"] >= 0
+    assert {name: case["ok"] for name, case in result["token_limit"].items()} == {
+        "rms_norm": True, "silu_and_mul": True, "rotary": True}
+    assert result["tensor_parallel"]["sequences_identical_tp2_vs_tp1"] == "4/4"
     assert set(result["targets"]) == {"decode_64x4k_fraction_of_copy_bandwidth", "decode_target_met",
                                       "prefill_fraction_of_peak", "prefill_target_met"}

@@ -94,6 +94,7 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(runner.shape, 16, runner.dtype)
     budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache)
     assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
+    assert runner.profiled_peak_bytes == 1 * MIB
     assert runner._last_sampled == {}  # noqa: SLF001 (nothing of the probe carries over)
 
 

@@ -75,6 +75,7 @@ class ModelRunner:
         self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
         self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)
+        self.profiled_peak_bytes: int | None = None  # the heaviest step's, when CUDA memory was profiled
         num_blocks = self._kv_capacity()
         self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
         log.info(
@@ -173,10 +174,12 @@ class ModelRunner:
         self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         self.execute(plan)
         self._last_sampled = {}
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes
+        self.profiled_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before  # the step's own
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes  # weights and the step
         del self.kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
