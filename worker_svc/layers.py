@@ -1,6 +1,10 @@
 """The decoder's replicated layers (every rank holds all of them) and the loading helpers the
 tensor-parallel layers of worker_svc/tp_layers.py share.
 
+Every parameter is made in the model's dtype (`dtype`; None: torch's default) on the ambient
+device, never made in float32 and cast after: that would peak at 4 bytes a parameter, twice a
+bfloat16 model's weights.
+
 A `weight_loader(param, loaded, shard_id)` receives what the checkpoint holds for `param`:
 a torch tensor, or a lazy safetensors slice that reads from disk only what is indexed
 (`loaded[a:b]`, `loaded[:, a:b]`). Layers index the part their rank keeps, never the whole
@@ -62,12 +66,12 @@ class RMSNorm(nn.Module):
     interface (the CPU one writes the sum into `residual` itself).
     """
 
-    def __init__(self, hidden_size: int, eps: float, kernels: str = "torch") -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "torch", dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.kernels = kernels
         self._cpu = cpu_kernels_for(kernels)
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = load_replicated  # type: ignore[attr-defined]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

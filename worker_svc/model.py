@@ -123,14 +123,16 @@ class ModelShape:
 class Attention(nn.Module):
     """This rank's heads: qkv_proj yields its query heads and their KV heads, o_proj sums the ranks."""
 
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, group: ParallelGroup) -> None:
+    def __init__(
+        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, group: ParallelGroup, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.qkv_proj = QKVParallelLinear(
-            shape.hidden_size, d, shape.total_num_heads, shape.total_num_kv_heads, group, bias=shape.qkv_bias
+            shape.hidden_size, d, shape.total_num_heads, shape.total_num_kv_heads, group, bias=shape.qkv_bias, dtype=dtype
         )
-        self.o_proj = RowParallelLinear(shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias)
+        self.o_proj = RowParallelLinear(shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias, dtype=dtype)
         self.rotary = rotary
         self.backend = backend
 
@@ -147,11 +149,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape, kernels: str, group: ParallelGroup) -> None:
+    def __init__(self, shape: ModelShape, kernels: str, group: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         inter = shape.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, inter, group, bias=shape.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, inter, group, bias=shape.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias, dtype=dtype)
         self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +161,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup) -> None:
+    def __init__(
+        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
-        self.self_attn = Attention(shape, rotary, backend, group)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
-        self.mlp = MLP(shape, kernels, group)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
+        self.self_attn = Attention(shape, rotary, backend, group, dtype)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
+        self.mlp = MLP(shape, kernels, group, dtype)
 
     def forward(
         self,
@@ -181,11 +186,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup) -> None:
+    def __init__(
+        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(shape, rotary, backend, kernels, group) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
+        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, rotary, backend, kernels, group, dtype) for _ in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
 
 
 class CausalLM(nn.Module):
@@ -197,6 +207,9 @@ class CausalLM(nn.Module):
 
     `group` is this process's tensor-parallel group: the model holds that rank's shard and
     its forward calls the group's collectives (every rank of the group must run it).
+
+    Every parameter and buffer is made in `dtype` on the ambient device (build it under
+    `torch.device(...)`): loading never holds a float32 copy of a bfloat16 model.
     """
 
     def __init__(
@@ -228,11 +241,10 @@ class CausalLM(nn.Module):
         else:
             backend_cls = TritonPagedAttention if attention_backend == "triton" else TorchPagedAttention
             self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
-        self.model = DecoderModel(shape, self.rotary, self.attention, attention_backend, group)
+        self.model = DecoderModel(shape, self.rotary, self.attention, attention_backend, group, dtype)
         # A tied head reads the embedding's shard: no second copy, and no lm_head in the checkpoint.
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied)
-        self.to(dtype)
+        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied, dtype)
 
     def forward(
         self,

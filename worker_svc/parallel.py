@@ -77,6 +77,19 @@ SINGLE = ParallelGroup()
 LOAD_TIMEOUT_S = 1800.0  # joining the group: every rank must have loaded its weights by then
 
 
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device; nothing off CUDA.
+
+    Triton launches a kernel on the current device, not on its tensors' device, and the
+    current device is per thread and starts at cuda:0 in every new thread: each thread that
+    runs the model (the main one while loading, profiling and capturing graphs, the servicer's
+    forward thread for every step) must call this first, or a model on cuda:N, N > 0, fails
+    at its first kernel.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def init_group(
     rank: int,
     world_size: int,
@@ -84,16 +97,16 @@ def init_group(
     device: torch.device,
     timeout_s: float = 300.0,
 ) -> ParallelGroup:
-    """Join the group: NCCL when the rank runs on CUDA, gloo on CPU. No-op for one rank.
+    """Bind this thread to the rank's device, then join the group: NCCL when the rank runs on
+    CUDA, gloo on CPU. A group of one joins nothing, but is bound like any other rank.
 
     `init_method` is a torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500" or
     "file:///tmp/llmserve-tp". `timeout_s` bounds every collective, so a dead rank fails the
     others instead of hanging them.
     """
+    bind_device(device)
     if world_size == 1:
         return ParallelGroup(rank, world_size)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     # Ranks load their weights at different speeds (a shared disk, a large model), so the
     # rendezvous and the first barrier get the load timeout; the step collectives run on a
     # group of the same ranks with the short timeout that detects a dead or stalled peer.

@@ -4,6 +4,11 @@ cos/sin are computed once for every position in float32, scaled by the rope type
 factor, and cast to the model dtype, exactly as the reference computes them per forward.
 The rope types (linear, llama3, yarn, longrope, ...) come from transformers' own table, so
 the frequencies match the reference by construction.
+
+The tables are computed on the CPU whatever device the model is built under (the loader
+builds it under `torch.device(cuda)`, a test under meta), and only the finished tables move
+there, in the model dtype: the values do not depend on the device, a meta build needs no
+arithmetic on meta tensors, and the device never holds a float32 copy.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """float32 frequencies [head_dim / 2] on the CPU, and the attention factor.
+
+    The CPU even under another device context: transformers' rope functions make some
+    tensors on the ambient device and move others to the one they are given, so any other
+    choice would mix devices.
+    """
+    with torch.device("cpu"):
+        return _inverse_frequencies(config, head_dim)
+
+
+def _inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type == "default":
@@ -51,12 +67,12 @@ class RotaryEmbedding(nn.Module):
         self.fused = kernels != "torch"
         self._cpu = cpu_kernels_for(kernels)
         inv_freq, factor = inverse_frequencies(config, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float)
+        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", (freqs.cos() * factor).to(dtype), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * factor).to(dtype), persistent=False)
+        self.register_buffer("cos", _to_ambient_device((freqs.cos() * factor).to(dtype)), persistent=False)
+        self.register_buffer("sin", _to_ambient_device((freqs.sin() * factor).to(dtype)), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """What every layer of this step needs: cos, sin [tokens, 1, head_dim / 2] gathered once,
@@ -79,6 +95,12 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos, sin = rope
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _to_ambient_device(table: torch.Tensor) -> torch.Tensor:
+    """A copy of `table` made where the model's parameters are: on the device of the enclosing
+    `torch.device(...)` block, else the default one."""
+    return torch.empty(table.shape, dtype=table.dtype).copy_(table)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

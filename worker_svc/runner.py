@@ -35,7 +35,7 @@ from worker_svc.loader import (
 from worker_svc.logits_processor import process_logits, processed_rows
 from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
 from worker_svc.layers import cpu_kernels_for
-from worker_svc.parallel import SINGLE, ParallelGroup
+from worker_svc.parallel import SINGLE, ParallelGroup, bind_device
 from worker_svc.probe_plans import decode_step, heaviest_step
 from worker_svc.sampler import sample
 from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
@@ -58,6 +58,7 @@ class ModelRunner:
         self.config = config
         self.group = group
         self.device = resolve_device(config.device)
+        bind_device(self.device)  # loading, profiling and graph capture launch kernels on this thread
         keep_freed_memory()  # before the model's first allocations (see worker_svc.host_allocator)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = resolve_attention_backend(

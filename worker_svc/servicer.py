@@ -14,9 +14,10 @@ import structlog
 
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
-from common.plan import StepPlan
+from common.plan import StepPlan, StepResult
 from worker_svc import wire
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.parallel import bind_device
 from worker_svc.runner import ModelRunner, PlanError
 
 log = structlog.get_logger(__name__)
@@ -28,7 +29,7 @@ STREAM_TAKEOVER_S = 10.0
 class _Received:
     msg: worker_pb.StepPlan
     plan: StepPlan | None  # None when it did not decode
-    error: ValueError | None
+    error: PlanError | None
     decode_seconds: float
 
 
@@ -39,8 +40,8 @@ async def _read_plans(request_iterator: AsyncIterator[worker_pb.StepPlan], out: 
             start = time.perf_counter()
             try:
                 plan, error = wire.step_plan(msg), None
-            except ValueError as bad:
-                plan, error = None, bad
+            except ValueError as bad:  # a malformed plan is refused like one that fails the checks
+                plan, error = None, PlanError(str(bad))
             out.put_nowait(_Received(msg, plan, error, time.perf_counter() - start))
     finally:
         out.put_nowait(None)
@@ -52,8 +53,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._model_name = model_name
         self._metrics = metrics
         # One thread runs every forward pass: steps are sequential by nature, and the event
-        # loop stays free to answer health checks while a step runs.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # loop stays free to answer health checks while a step runs. It is bound to the
+        # runner's device before its first step (see parallel.bind_device).
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="forward", initializer=bind_device, initargs=(runner.device,)
+        )
         self._stream_lock = asyncio.Lock()
 
     async def Describe(  # noqa: N802 (gRPC method name)
@@ -101,15 +105,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     result = await step
                     if self._metrics is not None:
                         self._metrics.observe(received.plan, result.execute_seconds)  # type: ignore[arg-type]
-                except (ValueError, PlanError) as error:
+                except PlanError as error:
+                    # Only the runner's checks refuse a plan. Any other error, a ValueError from a
+                    # kernel or the device included, is this rank failing to run a valid plan.
                     log.error("plan_refused", step_id=msg.step_id, reason=str(error))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
                 except Exception as error:  # noqa: BLE001
                     group = self._runner.group
                     if group.world_size > 1:
-                        # A collective failed (a peer died or stalled past the timeout): this
-                        # rank's group is broken for good and every later step would fail or
-                        # hang. Exit, so the group's launcher ends the other ranks too.
+                        # A collective failed (a peer died or stalled past the timeout), or this
+                        # rank's device or kernels did and its peers wait for it in a collective
+                        # it will never join: the group is broken for good and every later step
+                        # would fail or hang. Exit, so the group's launcher ends the other ranks too.
                         log.error("rank_failed", rank=group.rank, world_size=group.world_size,
                                   step_id=msg.step_id, reason=str(error))
                         os._exit(3)

@@ -58,8 +58,10 @@ def _even(total: int, group: ParallelGroup, what: str) -> Shard:
     return Shard(size, group.rank * size, total)
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    """Uninitialised, in the model's dtype on the ambient device: the loader fills it (see
+    worker_svc/layers.py on why never float32 first)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 # The M the packed layout is tuned for; any M works (a typical decode batch).
@@ -93,12 +95,14 @@ class ColumnParallelLinear(nn.Module):
     (one unnamed shard for a plain layer) and which rows of each this rank reads.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, shards: dict[str, Shard], bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.shards = shards
         out_local = sum(s.size for s in shards.values())
-        self.weight = _param(out_local, in_features)  # [out / tp, in]
-        self.bias = _param(out_local) if bias else None
+        self.weight = _param(out_local, in_features, dtype=dtype)  # [out / tp, in]
+        self.bias = _param(out_local, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_for_cpu
         for param in (self.weight, self.bias):
             if param is not None:
@@ -106,8 +110,10 @@ class ColumnParallelLinear(nn.Module):
                 param.shard_ids = tuple(shards)  # type: ignore[attr-defined]
 
     @classmethod
-    def plain(cls, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False) -> ColumnParallelLinear:
-        return cls(in_features, {"": _even(out_features, group, "output features")}, bias)
+    def plain(
+        cls, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> ColumnParallelLinear:
+        return cls(in_features, {"": _even(out_features, group, "output features")}, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
         key = shard_id or ""
@@ -136,9 +142,12 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate_up_proj: [hidden] -> [gate_r | up_r], each of intermediate / tp."""
 
-    def __init__(self, in_features: int, intermediate_size: int, group: ParallelGroup, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, intermediate_size: int, group: ParallelGroup, bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         shard = _even(intermediate_size, group, "an MLP intermediate size")
-        super().__init__(in_features, {"gate": shard, "up": shard}, bias)
+        super().__init__(in_features, {"gate": shard, "up": shard}, bias, dtype)
 
 
 def kv_head_range(num_kv_heads: int, group: ParallelGroup) -> tuple[int, int]:
@@ -154,27 +163,31 @@ class QKVParallelLinear(ColumnParallelLinear):
     """qkv_proj: [hidden] -> [q_r | k_r | v_r]; rank r's query heads and the KV heads they read."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, group: ParallelGroup, bias: bool = False
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, group: ParallelGroup, bias: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         d = head_dim
         q = _even(num_heads, group, "attention heads")
         kv_start, kv_count = kv_head_range(num_kv_heads, group)
         kv = Shard(kv_count * d, kv_start * d, num_kv_heads * d)
-        super().__init__(hidden_size, {"q": Shard(q.size * d, q.start * d, num_heads * d), "k": kv, "v": kv}, bias)
+        super().__init__(hidden_size, {"q": Shard(q.size * d, q.start * d, num_heads * d), "k": kv, "v": kv}, bias, dtype)
         self.num_heads, self.num_kv_heads = q.size, kv_count  # this rank's
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T, + b once: x arrives split along its last dim."""
 
-    def __init__(self, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
         self.shard = _even(in_features, group, "input features")
-        self.weight = _param(out_features, self.shard.size)  # [out, in / tp]
+        self.weight = _param(out_features, self.shard.size, dtype=dtype)  # [out, in / tp]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.packed: torch.Tensor | None = None  # see pack_for_cpu
-        self.bias = _param(out_features) if bias else None
+        self.bias = _param(out_features, dtype=dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = load_replicated  # type: ignore[attr-defined]
 
@@ -199,13 +212,13 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Each rank embeds the ids of its vocab range (others give 0); the all-reduce sums them."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
         per = -(-vocab_size // group.world_size)  # padded: the last rank's tail rows stay zero
         self.shard = Shard(per, group.rank * per, vocab_size)
-        self.weight = _param(per, hidden_size)  # [V' / tp, hidden]
+        self.weight = _param(per, hidden_size, dtype=dtype)  # [V' / tp, hidden]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
@@ -235,9 +248,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     tokens are the ones returned. `tied` shares the embedding's shard instead of holding one.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, tied: VocabParallelEmbedding | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, group: ParallelGroup, tied: VocabParallelEmbedding | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         if tied is None:
-            super().__init__(vocab_size, hidden_size, group)
+            super().__init__(vocab_size, hidden_size, group, dtype)
         else:
             nn.Module.__init__(self)
             self.group, self.vocab_size, self.shard = group, vocab_size, tied.shard
