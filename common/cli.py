@@ -119,6 +119,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="memory the KV pool may take (CPU default 2)")
     p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="on CUDA, the share of the device's memory weights, the heaviest step and the KV pool may take (default 0.9)",
+    )
+    p.add_argument(
         "--swap-space-gb", type=float, default=4.0,
         help="pinned host memory that holds preempted sequences' KV blocks (default 4; 0 = no swapping)",
     )
@@ -325,6 +329,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         cache=CacheConfig(
             block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb,
             swap_space_gb=a.swap_space_gb, num_cpu_blocks=a.num_cpu_blocks,
+            gpu_memory_utilization=a.gpu_memory_utilization,
         ),
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
@@ -369,6 +374,7 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
         "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
         "--max-num-seqs", str(a.max_num_seqs),
         "--swap-space-gb", str(a.swap_space_gb), "--dist-timeout", str(a.dist_timeout),
+        "--gpu-memory-utilization", str(a.gpu_memory_utilization),
     ]
     for flag, value in (("--num-gpu-blocks", a.num_gpu_blocks), ("--kv-cache-gb", a.kv_cache_gb),
                         ("--num-cpu-blocks", a.num_cpu_blocks)):
