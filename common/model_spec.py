@@ -30,6 +30,11 @@ def _as_id_set(value: Any) -> frozenset[int]:
     return frozenset(int(v) for v in value)
 
 
+def _optional_id(value: Any) -> int | None:
+    """A single token id; None when unset or given as a list (some configs list several)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     path: str
@@ -37,6 +42,11 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # Reported to gateways (GetModelInfo); nothing here acts on them.
+    architectures: tuple[str, ...] = ()
+    model_type: str = ""
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -55,4 +65,8 @@ class ModelSpec:
             vocab_size=int(text_config["vocab_size"]),
             max_model_len=int(text_config.get("max_position_embeddings", 2048)),
             eos_token_ids=eos,
+            architectures=tuple(str(a) for a in config.get("architectures") or ()),
+            model_type=str(text_config.get("model_type") or config.get("model_type") or ""),
+            bos_token_id=_optional_id(text_config.get("bos_token_id")),
+            pad_token_id=_optional_id(text_config.get("pad_token_id")),
         )

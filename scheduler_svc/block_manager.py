@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.kv_events import KvEventQueue
 
 _ROOT_HASH = 0x6C6D7365  # parent hash of a sequence's first block
 
@@ -41,7 +42,9 @@ class BlockManager:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
-        self.gpu = BlockPool(num_blocks, enable_prefix_caching)
+        # What the prefix cache indexes and forgets, for gateways that mirror it (drained outside).
+        self.kv_events = KvEventQueue()
+        self.gpu = BlockPool(num_blocks, enable_prefix_caching, self.kv_events)
         self.cpu = BlockPool(num_cpu_blocks, enable_caching=False)
         self._tables: dict[int, list[int]] = {}
         self._host: dict[int, list[int]] = {}
@@ -151,9 +154,26 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         hashes = self._chain(seq_id, token_ids, full)
+        size = self.block_size
         for i in range(done, full):
-            self.gpu.register(table[i], hashes[i])
+            if self.gpu.register(table[i], hashes[i]):
+                parent = hashes[i - 1] if i else None
+                self.kv_events.stored(hashes[i], parent, tuple(token_ids[i * size : (i + 1) * size]))
         self._indexed[seq_id] = full
+
+    def reset_prefix_cache(self) -> int | None:
+        """Forget every cached block; returns how many, or None while any block is in use.
+
+        Only an idle pool is flushed (vLLM's rule): a block in use keeps its hash and would be
+        back in the cache when released, so a flush under load would not empty the cache.
+        """
+        if self.gpu.num_used:
+            return None
+        return self.gpu.reset_cache()
+
+    def indexed_hashes(self) -> set[int]:
+        """Chain hashes of every block the prefix cache holds now."""
+        return self.gpu.indexed_hashes()
 
     # ---- growth and copy-on-write ----
 

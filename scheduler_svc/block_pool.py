@@ -10,19 +10,26 @@ Every block is in exactly one of three places:
 `take()` prefers never-hashed free blocks and evicts the least recently released cached block
 only when none is left, so a prefix stays reusable for as long as memory allows. The host
 swap pool is the same structure with caching off.
+
+Every block that leaves the index is reported to `events` (when given), so a gateway can
+mirror the cache; the pool cannot report what it indexes, since it never sees tokens
+(`BlockManager.commit` does).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from scheduler_svc.kv_events import KvEventQueue
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KvEventQueue | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must not be negative, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events
         self.ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -84,18 +91,27 @@ class BlockPool:
         """Whether the block is referenced by nobody and would be revived by a hit."""
         return self.ref[block] == 0
 
-    def register(self, block: int, content_hash: int) -> None:
-        """Index a used, full block by its content; a hash already indexed keeps its block."""
+    def register(self, block: int, content_hash: int) -> bool:
+        """Index a used, full block by its content; a hash already indexed keeps its block.
+
+        Returns whether the block was indexed (False: caching off, or nothing new)."""
         if not self.enable_caching or content_hash in self._by_hash or self._hash_of[block] is not None:
-            return
+            return False
         self._by_hash[content_hash] = block
         self._hash_of[block] = content_hash
+        return True
 
     def _unindex(self, block: int) -> None:
         content_hash = self._hash_of[block]
         if content_hash is not None:
             del self._by_hash[content_hash]
             self._hash_of[block] = None
+            if self.events is not None:
+                self.events.removed(content_hash)
+
+    def indexed_hashes(self) -> set[int]:
+        """Every content hash the index holds (cached blocks and used ones)."""
+        return set(self._by_hash)
 
     def reset_cache(self) -> int:
         """Forget every cached block (they become plain free blocks); returns how many."""

@@ -21,11 +21,12 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Cancelled, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
+from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.fleet import Fleet
-from scheduler_svc.load import Load, ModelInfo
+from scheduler_svc.load import GroupActivity, Load, ModelInfo
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.replica import Replica
+from scheduler_svc.replica import CacheFlush, Replica
 from scheduler_svc.request import (
     GenerationRequest,
     Limits,
@@ -86,6 +87,20 @@ class Engine:
     def block_size(self) -> int:
         """The KV block size every group must use: configured, else the serving groups' (0: any)."""
         return self._fleet.block_size
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (queued, running or swapped), in every group."""
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def block_managers(self) -> list[BlockManager]:
+        """The serving groups' block managers, for the KV event log: it drains their event
+        queues and reads their index, and changes nothing else."""
+        return [r.scheduler.block_manager for r in self.replicas if r.scheduler is not None]
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -228,6 +243,24 @@ class Engine:
         if not groups:
             return None
         return Load(sum(g.running for g in groups), sum(g.waiting for g in groups), sum(g.swapped for g in groups), tuple(groups))
+
+    def activity(self) -> list[GroupActivity]:
+        """Each serving group's load as a gateway weighs it (see `GroupActivity`)."""
+        return [a for a in (r.activity(self.config.max_num_seqs) for r in self.replicas) if a is not None]
+
+    async def flush_prefix_cache(self) -> tuple[int, int]:
+        """Forget the cached prefix blocks of every serving group that has none in use.
+
+        Each group flushes at its next step boundary (its loop owns its block manager).
+        Returns (blocks forgotten, groups that could not flush because blocks were in use).
+        """
+        flushes = []
+        for replica in self.replicas:
+            flush = CacheFlush(asyncio.get_running_loop().create_future())
+            replica.post(flush)
+            flushes.append(flush.done)
+        results = await asyncio.gather(*flushes)
+        return sum(r or 0 for r in results), sum(r is None for r in results)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort in-flight requests by id (their streams end CANCELLED); unknown ids are ignored."""

@@ -29,6 +29,12 @@ class EngineStats:
         self.plan_bytes += timing.plan_bytes
         self.roundtrip += timing.roundtrip_seconds
 
+    def output_rate(self) -> float:
+        """Tokens sampled per second over the current interval (0 before its first step)."""
+        if not self.steps:
+            return 0.0
+        return self.sampled / max(time.monotonic() - self.started, 1e-9)
+
     def due(self) -> bool:
         return self.steps > 0 and time.monotonic() - self.started >= INTERVAL_S
 

@@ -34,7 +34,7 @@ from common.plan import StepPlan
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.replica import Replica
+from scheduler_svc.replica import CacheFlush, Replica
 from scheduler_svc.request import Limits
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.router import Router
@@ -310,6 +310,8 @@ class Fleet:
                     stream = self._streams.get(item.request_id)
                     if stream is not None and stream.group is item:
                         scheduler.add(item)
+                elif isinstance(item, CacheFlush):
+                    item.resolve(scheduler.block_manager.reset_prefix_cache())
                 elif self._streams.get(item.request_id) is item:
                     del self._streams[item.request_id]
                     scheduler.abort(item.group.group_id)

@@ -35,6 +35,22 @@ class GroupLoad:
 
 
 @dataclass(frozen=True)
+class GroupActivity:
+    """A group's load as a gateway balancing engines weighs it, beyond queue lengths.
+
+    Kept apart from GroupLoad, which maps field for field onto `llmserve.v1.WorkerGroupLoad`.
+    """
+
+    load: GroupLoad
+    block_size: int
+    max_running: int  # --max-num-seqs
+    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache, since the group started
+    prefix_hit_tokens: int  # of which found there
+    output_tokens_per_s: float  # over the current stats interval (engine_stats.INTERVAL_S)
+    waiting_uncached_tokens: int  # prompt tokens of queued requests their prefix cache lacks
+
+
+@dataclass(frozen=True)
 class Load:
     running: int
     waiting: int

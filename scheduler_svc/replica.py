@@ -13,15 +13,32 @@ import asyncio
 from dataclasses import dataclass, field
 
 from common.worker_info import WorkerInfo
+from scheduler_svc.block_manager import extend_chain
 from scheduler_svc.engine_stats import EngineStats
-from scheduler_svc.load import GroupLoad
+from scheduler_svc.load import GroupActivity, GroupLoad
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence_group import SequenceGroup
 from scheduler_svc.worker_client import WorkerLink
 
-# Inbox items: a group to add, or the stream of a request to abort.
-Inbox = list["SequenceGroup | RequestStream"]
+
+@dataclass(eq=False)
+class CacheFlush:
+    """Forget the group's cached prefix blocks at its next step boundary, if none is in use.
+
+    `done` receives the number of blocks forgotten, or None when blocks were in use (or the
+    group went away first).
+    """
+
+    done: asyncio.Future[int | None]
+
+    def resolve(self, result: int | None) -> None:
+        if not self.done.done():
+            self.done.set_result(result)
+
+
+# Inbox items: a group to add, the stream of a request to abort, or a cache flush.
+Inbox = list["SequenceGroup | RequestStream | CacheFlush"]
 
 
 @dataclass(eq=False)
@@ -48,7 +65,7 @@ class Replica:
     def block_bytes(self) -> int:
         return self.info.block_bytes if self.info is not None else 0
 
-    def post(self, item: SequenceGroup | RequestStream) -> None:
+    def post(self, item: SequenceGroup | RequestStream | CacheFlush) -> None:
         self.inbox.append(item)
         self.wake.set()
 
@@ -77,7 +94,37 @@ class Replica:
         inbox, self.inbox = self.inbox, []
         posted = [i for i in inbox if isinstance(i, SequenceGroup)]
         aborts = [i for i in inbox if isinstance(i, RequestStream)]
+        for item in inbox:
+            if isinstance(item, CacheFlush):
+                item.resolve(None)  # the cache goes with the group
         return sorted(groups + posted, key=lambda g: g.key), aborts
+
+    def activity(self, max_running: int) -> GroupActivity | None:
+        sched, load = self.scheduler, self.load()
+        if sched is None or load is None:
+            return None
+        return GroupActivity(
+            load=load,
+            block_size=sched.block_manager.block_size,
+            max_running=max_running,
+            prefix_queried_tokens=sched.prefix_queried_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            output_tokens_per_s=self.stats.output_rate(),
+            waiting_uncached_tokens=self._waiting_uncached_tokens(sched),
+        )
+
+    def _waiting_uncached_tokens(self, sched: Scheduler) -> int:
+        """Prompt tokens the queued requests will compute here: their prefix-cache hits excluded."""
+        bm = sched.block_manager
+        total = 0
+        for group in [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.waiting:
+            tokens = group.seqs[0].token_ids
+            hashes: list[int] = []
+            if bm.gpu.enable_caching:
+                # As in BlockManager.prefix_hit: the last token is always computed.
+                extend_chain(hashes, tokens, bm.block_size, (len(tokens) - 1) // bm.block_size)
+            total += len(tokens) - bm.cached_prefix_blocks(hashes) * bm.block_size
+        return total
 
     def load(self) -> GroupLoad | None:
         sched = self.scheduler

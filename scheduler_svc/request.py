@@ -48,6 +48,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the text stop strings are matched against
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # every prompt token after the first, first message only
     stop_sequence: str = ""  # the stop string that matched (STOP_SEQUENCE)
     stop_token_id: int | None = None  # the token that ended the output (STOP)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache so far
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This piece and the next of the same output as one (the later one's totals)."""
@@ -257,4 +259,5 @@ def stopping_params(req: GenerationRequest) -> StoppingParams:
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )

@@ -67,7 +67,10 @@ class RequestStream:
         text_stream = self._texts.get(seq.seq_id)
         stopping = seq.stopping
         if text_stream is None:
-            text_stream = TextStream(self.tokenizer, seq.prompt_token_ids, stopping.stop, stopping.include_stop_str_in_output)
+            text_stream = TextStream(
+                self.tokenizer, seq.prompt_token_ids, stopping.stop, stopping.include_stop_str_in_output,
+                stopping.skip_special_tokens,
+            )
             self._texts[seq.seq_id] = text_stream
         # A stop token ends the text: it is returned in token_ids, never shown.
         text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id, seq.num_output_tokens >= stopping.min_tokens)
@@ -107,6 +110,7 @@ class RequestStream:
                         cumulative_logprob=hyp.cumulative_logprob,
                         stats=self.stats(),
                         prompt_logprobs=self._prompt_logprobs_once(),
+                        cached_tokens=group.prefix_hit_tokens,
                     )
                 )
         elif not group.streams:
@@ -150,4 +154,5 @@ class RequestStream:
             prompt_logprobs=self._prompt_logprobs_once(),
             stop_sequence=self._matched.get(seq.seq_id, "") if reason is FinishReason.STOP_SEQUENCE else "",
             stop_token_id=seq.token_ids[-1] if reason is FinishReason.STOP else None,
+            cached_tokens=self.group.prefix_hit_tokens,
         )

@@ -74,6 +74,7 @@ class StoppingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # eos and stop tokens are banned (and stop strings unmatched) before
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: stop strings may match special tokens' text
 
 
 @dataclass(eq=False)

@@ -1,4 +1,8 @@
-"""The scheduler service process: Generation API, health, reflection and metrics on one server."""
+"""The scheduler service process: Generation API, health, reflection and metrics on one server.
+
+The same port also serves the TGIS API (`fmaas.GenerationService`) and the smg gateway's engine
+protocol (`vllm.grpc.engine.VllmEngine`), each an adapter over the one engine.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.registry import Registry
 from scheduler_svc.registry_servicer import RegistryServicer
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc import tgis_servicer
+from scheduler_svc import tgis_servicer, vllm_servicer
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient
@@ -65,18 +69,22 @@ class SchedulerServer:
         self.server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
         tgis_servicer.register(self.server, self.engine)
+        vllm_servicer.register(self.server, self.engine)
         registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.registry), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if server_config.reflection:
             reflection.enable_server_reflection(
-                (SERVICE_NAME, tgis_servicer.SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                (
+                    SERVICE_NAME, tgis_servicer.SERVICE_NAME, vllm_servicer.SERVICE_NAME, REGISTRY_NAME,
+                    health.SERVICE_NAME, reflection.SERVICE_NAME,
+                ),
                 self.server,
             )
         self.port = 0
 
     async def _on_ready(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, vllm_servicer.SERVICE_NAME):
             await self.health.set(name, status)
 
     async def start(self) -> int:

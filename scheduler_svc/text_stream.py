@@ -22,7 +22,12 @@ _CONTEXT_TOKENS = 6
 
 class TextStream:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), include_stop: bool = False
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -32,7 +37,7 @@ class TextStream:
         partial: list[int] = []
         while context and tokenizer.decode(context).endswith("\ufffd"):
             partial.insert(0, context.pop())
-        self._decoder = DecodeStream(ids=context, skip_special_tokens=True)
+        self._decoder = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         for token in partial:
             self._decoder.step(tokenizer.backend, token)
         self._stop = tuple(s for s in stop if s)
