@@ -62,11 +62,14 @@ class SleepingRunner:
     inputs are filled from the last step's samples, as the real runner does."""
 
     def __init__(self, model_name: str, vocab_size: int, max_model_len: int, step_s: float) -> None:
+        import torch
+
         from common.config import WorkerConfig
         from worker_svc.parallel import SINGLE
 
         self.config = WorkerConfig(model=model_name)
         self.group = SINGLE
+        self.device = torch.device("cpu")  # the servicer binds its forward thread to it
         self.model_name, self.vocab_size, self.max_model_len, self.step_s = model_name, vocab_size, max_model_len, step_s
         self.last: dict[int, int] = {}
         self.log: list[tuple[int, float, float]] = []  # (sequences, start, end) per step
@@ -148,15 +151,16 @@ async def _drive(port: int, num_seqs: int, max_tokens: int) -> float:
         return time.perf_counter() - start
 
 
-async def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
+async def _wait_ready(port: int, *procs: subprocess.Popen[bytes]) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"scheduler exited with {proc.returncode}")
+            for proc in procs:  # the scheduler, and the stand-in it waits for
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{proc.args[1:3]} exited with {proc.returncode}")
             try:
                 if (await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -178,7 +182,7 @@ def run_mode(args: argparse.Namespace, model: Path, plan_ahead: bool) -> dict[st
                "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), "--max-num-seqs", str(args.num_seqs)]
         scheduler = subprocess.Popen(cmd + ([] if plan_ahead else ["--no-plan-ahead"]), cwd=REPO_ROOT)
         try:
-            asyncio.run(_wait_ready(port, scheduler))
+            asyncio.run(_wait_ready(port, scheduler, standin))
             cpu_before = _cpu_seconds(scheduler.pid), time.process_time()
             wall = asyncio.run(_drive(port, args.num_seqs, args.max_tokens))
             scheduler_cpu, client_cpu = _cpu_seconds(scheduler.pid) - cpu_before[0], time.process_time() - cpu_before[1]
