@@ -16,7 +16,7 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 at ~75k tokens of a 14336-wide MLP
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

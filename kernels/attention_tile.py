@@ -17,13 +17,15 @@ def load_kv_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     BLOCK_SIZE: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    block = tl.load(table_ptr + tok // BLOCK_SIZE, mask=t_mask, other=0)
+    # One layer's cache passes 2^31 elements (e.g. 8 KV heads x 128 x 2^21 tokens), so a
+    # block's offset is int64; the offset within a block (block_size x heads x head_dim) is not.
+    block = tl.load(table_ptr + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     row = tok % BLOCK_SIZE
+    k_rows = block * stride_kb + (row * stride_kt + kv_head * stride_kh)  # [TILE] int64
+    v_rows = block * stride_vb + (row * stride_vt + kv_head * stride_vh)
     mask = t_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
-                + offs_d[None, :], mask=mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
-                + offs_d[None, :], mask=mask, other=0.0)
+    k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
+    v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
     if not NATIVE_DOT:  # the interpreter's 16-bit arithmetic is wrong: widen at once
         k = k.to(tl.float32)
         v = v.to(tl.float32)

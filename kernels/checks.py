@@ -7,10 +7,34 @@ Triton kernel does no bounds checks: a wrong stride reads someone else's memory 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile extents and launch options an attention wrapper picks for one launch.
+
+    One place per kernel decides them (`prefill_launch`, `decode_launch`) so that the offline
+    compile checks (tests/compile_kernels.py, benchmarks/kernel_resources.py) measure exactly
+    what the wrappers launch.
+    """
+
+    rows: int  # query rows per program: a tile of tokens (prefill), the padded head group (decode)
+    keys: int  # KV tokens per inner iteration
+    num_warps: int
+    num_stages: int  # depth of the K/V load pipeline (cp.async) on a GPU
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "keys", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
 
 
 def interpreting() -> bool:

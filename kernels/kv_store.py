@@ -30,7 +30,9 @@ def _store_kv_kernel(
     stride_vcb, stride_vct, stride_vch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # Both the token's row and the slot's block (slot is int64) are offset in int64: a step's
+    # keys and a layer's cache can each hold more than 2^31 elements.
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
     offs = tl.arange(0, HEAD_DIM_PAD)

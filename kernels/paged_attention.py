@@ -5,7 +5,7 @@ Work is split three ways so that a small batch of long sequences still fills the
     grid = (num_seqs, num_kv_heads, num_splits)
     program (s, g, p): the query heads of KV group g of sequence s (read as one matrix, so each
     K/V tile is loaded once per group), against tokens [p * per_split, (p + 1) * per_split)
-    of that sequence, in tiles of TILE_N tokens gathered through the block table.
+    of that sequence, in tiles of TILE tokens (decode_launch) gathered through the block table.
 
 Each program leaves an unnormalised partial result with its running max and sum; a second
 kernel merges the splits (log-sum-exp weights). A split that starts past the end of its
@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
+    Launch,
     check_out,
     check_paged_attention,
     dot_precision,
@@ -33,7 +34,28 @@ from kernels.checks import (
 )
 from kernels.workspace import workspace
 
-TILE_N = 64  # tokens per inner iteration
+
+def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -> Launch:
+    """The padded head group (tl.dot needs at least 16 rows), key tokens per iteration, warps
+    and pipeline depth.
+
+    Chosen so that no configuration spills registers on sm_90 (benchmarks/kernel_resources.py
+    measures them): 16-bit inputs take 4 warps up to a 64 x 128 query tile (rows x head_dim),
+    8 beyond. float32 stays exact ("ieee"), so its dots run on FMA units with both operands
+    in registers: the larger the query tile, the more warps and the fewer keys per tile
+    (a 128-head group at head_dim 256, which no model has, still spills about 200 bytes).
+    3 stages: the block-table reads and K/V tiles of coming iterations are issued ahead (cp.async).
+    """
+    rows = pow2(group, 16)
+    if not on_gpu:
+        return Launch(rows=rows, keys=64, num_warps=4, num_stages=1)
+    tile = rows * pow2(head_dim, 16)
+    if dtype != torch.float32:
+        return Launch(rows=rows, keys=64, num_warps=4 if tile <= 64 * 128 else 8, num_stages=3)
+    for limit, keys, warps in ((16 * 128, 64, 4), (64 * 128, 32, 8), (128 * 128, 16, 8)):
+        if tile <= limit:
+            return Launch(rows=rows, keys=keys, num_warps=warps, num_stages=3)
+    return Launch(rows=rows, keys=16, num_warps=16, num_stages=3)
 
 
 @triton.jit
@@ -50,7 +72,9 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # int64 from the start: seq * stride_qs and the [S, H, P, D] workspace index pass 2^31 for
+    # big batches of wide models; the per-sequence values below stay int32.
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -92,7 +116,7 @@ def _decode_merge_kernel(
     num_heads, num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)  # see _decode_partial_kernel
     head = tl.program_id(1)
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -117,11 +141,13 @@ def _parallel_units(device: torch.device) -> int:
     return 4
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, tile: int, device: torch.device
+) -> int:
     """Enough programs to fill the device twice over, but no split shorter than one tile."""
     units = _parallel_units(device)
     want = -(-units // max(1, num_seqs * num_kv_heads))
-    tiles = -(-(max_blocks * block_size) // TILE_N)
+    tiles = -(-(max_blocks * block_size) // tile)
     return max(1, min(want, tiles, 64))
 
 
@@ -149,11 +175,14 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     block_size = k_cache.shape[1]
-    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
+    group = num_heads // num_kv_heads
+    launch = decode_launch(head_dim, q.dtype, group, q.is_cuda)
+    splits = num_splits or default_num_splits(
+        num_seqs, num_kv_heads, block_tables.shape[1], block_size, launch.keys, q.device
+    )
     capacity = block_tables.shape[1] * block_size
     per_split = -(-capacity // splits)
-    per_split = -(-per_split // TILE_N) * TILE_N if num_splits is None else max(1, per_split)
-    group = num_heads // num_kv_heads
+    per_split = -(-per_split // launch.keys) * launch.keys if num_splits is None else max(1, per_split)
     parts = num_seqs * num_heads * splits
     acc, maxes, sums = workspace(q.device, parts * head_dim, parts, parts)
     _decode_partial_kernel[(num_seqs, num_kv_heads, splits)](
@@ -165,9 +194,10 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         num_heads, splits,
-        GROUP=group, GROUP_PAD=pow2(group, 16),
+        GROUP=group, GROUP_PAD=launch.rows,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=block_size, TILE=TILE_N, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, TILE=launch.keys, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         acc, maxes, sums, out,

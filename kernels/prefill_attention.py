@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
+    Launch,
     check_out,
     check_paged_attention,
     check_shape,
@@ -35,11 +36,30 @@ from kernels.checks import (
     pow2,
 )
 
-# Query rows per program and key tokens per inner iteration. On a GPU, 128-row tiles over 8
-# warps keep the tensor cores busy; the interpreter is faster with smaller tiles.
-TILE_M_GPU, NUM_WARPS_GPU = 128, 8
-TILE_M_CPU = 64
-TILE_N = 64
+
+def prefill_launch(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Launch:
+    """Query rows per program, key tokens per iteration, warps and pipeline depth.
+
+    Chosen so that no configuration spills registers on sm_90 (benchmarks/kernel_resources.py
+    measures them; tests/test_kernel_resources.py holds head_dim 64 and 128 to 0 spills):
+
+    - 16-bit: 128-row tiles over 8 warps (two warpgroups of wgmma) keep the tensor cores busy
+      and share each K/V tile between 128 queries. The float32 accumulator, [128, head_dim]
+      over 256 threads, is what fills the registers: at head_dim 256 the key tile halves.
+    - float32 stays exact ("ieee"), so its dots run on FMA units with both operands in
+      registers: 64-row tiles and 32 keys (16 at head_dim 256).
+    - 3 stages: Triton's pipeliner issues the block-table reads and the K/V tiles of the
+      coming iterations ahead, as cp.async copies into shared memory, while the current
+      tile is computed (the benchmark's cp.async column).
+
+    The interpreter is faster with 64-row tiles and has no pipeline.
+    """
+    if not on_gpu:
+        return Launch(rows=64, keys=64, num_warps=4, num_stages=1)
+    wide = pow2(head_dim, 16) > 128
+    if dtype == torch.float32:
+        return Launch(rows=64, keys=16 if wide else 32, num_warps=8, num_stages=3)
+    return Launch(rows=128, keys=32 if wide else 64, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -62,7 +82,7 @@ def _prefill_kernel(
     lo = num_seqs * 0  # an int32 tensor from the start: loop-carried values keep one type
     hi = num_seqs - 1
     while lo < hi:
-        mid = (lo + hi + 1) // 2
+        mid = lo + (hi - lo + 1) // 2  # not (lo + hi + 1) // 2: that sum passes int32 first
         first_tile = tl.load(query_start_ptr + mid) // TILE_M + mid
         lo = tl.where(first_tile <= tile, mid, lo)
         hi = tl.where(first_tile <= tile, hi, mid - 1)
@@ -72,13 +92,20 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
     row0 = (tile - (q_start // TILE_M + seq)) * TILE_M
+    # Token indices fit int32 (kernels/limits.py), token * stride does not: the tile's first
+    # row is offset in int64, rows within the tile (TILE_M * stride) in int32.
+    token0 = q_start.to(tl.int64) + row0
+    q_tile_ptr = q_ptr + token0 * stride_qt + head * stride_qh
+    out_tile_ptr = out_ptr + token0 * stride_ot + head * stride_oh
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     offs_m = row0 + tl.arange(0, TILE_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_n = tl.arange(0, TILE_N)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+    offs_r = tl.arange(0, TILE_M)
+    q = tl.load(q_tile_ptr + offs_r[:, None] * stride_qt + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_M, HEAD_DIM_PAD]
     if not NATIVE_DOT:
         q = q.to(tl.float32)
@@ -94,14 +121,14 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n
         t_mask = tok < kv_end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tok, t_mask, kv_head,
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, tok, t_mask, kv_head,
                             offs_d, d_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                             BLOCK_SIZE=BLOCK_SIZE, NATIVE_DOT=NATIVE_DOT)
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
         m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_tile_ptr + offs_r[:, None] * stride_ot + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -124,8 +151,8 @@ def paged_prefill_attention(
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
         return out
-    tile_m = TILE_M_GPU if q.is_cuda else TILE_M_CPU
-    grid = (total // tile_m + num_seqs, num_heads)
+    launch = prefill_launch(head_dim, q.dtype, q.is_cuda)
+    grid = (total // launch.rows + num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale, num_seqs,
@@ -134,8 +161,8 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=k_cache.shape[1], TILE_M=tile_m, TILE_N=TILE_N, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=NUM_WARPS_GPU if q.is_cuda else 4,
+        BLOCK_SIZE=k_cache.shape[1], TILE_M=launch.rows, TILE_N=launch.keys, NATIVE_DOT=native_dot(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out
 

@@ -23,7 +23,7 @@ def _rms_norm_kernel(
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 at ~262k tokens of hidden 8192
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

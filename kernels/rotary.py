@@ -37,7 +37,7 @@ def _rotary_kernel(
     num_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride passes 2^31 at ~350k tokens of a 6144-wide qkv row
     pos = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HALF

@@ -1,37 +1,81 @@
-"""Compile every kernel for a Hopper GPU (sm_90) down to a cubin, without a GPU.
+"""Compile kernels for a Hopper GPU (sm_90) down to a cubin, without a GPU.
 
 Run by tests/test_kernels_compile.py in a process of its own, because the test session runs
 the kernels in the interpreter, and interpreted kernels cannot be compiled. Prints one JSON
-object: kernel case -> "ok" or the compiler's error.
+object: kernel case -> {"compiled": "ok" or the compiler's error, "int32_index_products":
+the Triton IR lines that multiply a batch-sized index by a stride in int32}.
+benchmarks/kernel_resources.py compiles `worker_cases` with the same machinery.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
+import re
+from dataclasses import dataclass, field
 
+import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.activation import BLOCK as SILU_BLOCK
 from kernels.activation import _silu_and_mul_kernel
+from kernels.checks import dot_precision, pow2
 from kernels.kv_store import _store_kv_kernel
-from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel
-from kernels.prefill_attention import NUM_WARPS_GPU, TILE_M_GPU, _prefill_kernel
+from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel, decode_launch
+from kernels.prefill_attention import _prefill_kernel, prefill_launch
 from kernels.rms_norm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
 
+# Triton 3.9 warns unless this is set; 1 keeps its (and the worker's) default, FMA contraction.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+TARGET = GPUTarget("cuda", 90, 32)
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
 INT64_POINTERS = {"slot_ptr", "positions_ptr"}
 FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr"}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Values that grow with the batch: the program id along grid axis 0 (a token, a sequence or a
+# query tile in every kernel) and whatever is read from these index arrays. Multiplied by a
+# stride they pass 2^31 long before the index itself does, so that product must be int64.
+INDEX_POINTERS = INT32_POINTERS | INT64_POINTERS
 
 
-# Launch options the wrappers use on a GPU, where they differ from Triton's defaults.
-NUM_WARPS = {"_prefill_kernel": NUM_WARPS_GPU}
+@dataclass(frozen=True)
+class Case:
+    """One kernel specialisation, launched the way its wrapper launches it on a GPU."""
+
+    name: str
+    kernel: triton.JITFunction
+    dtype: str  # the model dtype: bf16, fp16 or fp32
+    constexprs: dict[str, object] = field(hash=False)
+    num_warps: int = 4
+    num_stages: int = 3
+    head_dim: int | None = None
+    # Integer arguments that are multiples of 16 in the worker's launches. Triton specialises
+    # such arguments (and 16-byte aligned pointers) when it compiles for a launch, and the
+    # hint decides whether loads are vectorised and can become cp.async: an offline compile
+    # without it measures a different kernel.
+    aligned: frozenset[str] = frozenset()
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.dtype}"
 
 
-def signature(fn: triton.JITFunction, dtype: str, constexprs: dict[str, object]) -> ASTSource:
+def strides(kernel: triton.JITFunction, *but: str) -> frozenset[str]:
+    """The kernel's stride arguments, all multiples of head_dim or hidden size, except `but`."""
+    return frozenset(p for p in inspect.signature(kernel.fn).parameters if p.startswith("stride") and p not in but)
+
+
+def signature(
+    fn: triton.JITFunction, dtype: str, constexprs: dict[str, object], aligned: frozenset[str] = frozenset()
+) -> ASTSource:
     params = list(inspect.signature(fn.fn).parameters)
     missing = {p for p in params if p.isupper()} - set(constexprs)
     if missing:
@@ -51,40 +95,200 @@ def signature(fn: triton.JITFunction, dtype: str, constexprs: dict[str, object])
         elif p in ("scale", "eps"):
             sig[p] = "fp32"
         else:
-            sig[p] = "i32"
-    return ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+            sig[p] = "i32"  # what Triton specialises a Python int below 2^31 to
+    divisible = [p for p in params if p not in constexprs and (p.endswith("_ptr") or p in aligned)]
+    return ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
+                     attrs={(params.index(p),): [["tt.divisibility", 16]] for p in divisible})
 
 
-def cases() -> list[tuple[str, triton.JITFunction, str, dict[str, object]]]:
-    out = []
-    for dtype, native, precision in (("bf16", True, "tf32"), ("fp32", False, "ieee")):
-        attn = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, NATIVE_DOT=native, DOT_PRECISION=precision)
-        out += [
-            ("decode", _decode_partial_kernel, dtype, dict(GROUP=4, GROUP_PAD=16, TILE=64, **attn)),
-            ("prefill", _prefill_kernel, dtype, dict(GROUP=4, TILE_M=TILE_M_GPU, TILE_N=64, **attn)),
-        ]
-    out += [
-        ("decode_merge", _decode_merge_kernel, "bf16", dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128)),
-        ("store_kv", _store_kv_kernel, "bf16", dict(HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16)),
-        ("rms_norm", _rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK=1024)),
-        ("rotary", _rotary_kernel, "bf16", dict(HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_HEADS_PAD=8)),
-        ("silu_and_mul", _silu_and_mul_kernel, "bf16", dict(BLOCK=1024)),
+def compile_case(case: Case) -> triton.compiler.CompiledKernel:
+    options = {"num_warps": case.num_warps, "num_stages": case.num_stages}
+    source = signature(case.kernel, case.dtype, case.constexprs, case.aligned)
+    return triton.compile(source, target=TARGET, options=options)
+
+
+def attention_cases(head_dim: int, dtype: str, block_size: int = 16, group: int = 4) -> list[Case]:
+    """The decode, merge and prefill launches of one layer shape, as the wrappers choose them."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    native = dtype != "fp32"
+    attn = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size, NATIVE_DOT=native,
+                DOT_PRECISION=dot_precision(torch_dtype))
+    dec = decode_launch(head_dim, torch_dtype, group, on_gpu=True)
+    pre = prefill_launch(head_dim, torch_dtype, on_gpu=True)
+    # The block-table width is any number; a split's length is rounded up to whole tiles.
+    decode_aligned = strides(_decode_partial_kernel, "stride_bt") | {"tokens_per_split"}
+    return [
+        Case(f"decode-d{head_dim}", _decode_partial_kernel, dtype,
+             dict(GROUP=group, GROUP_PAD=dec.rows, TILE=dec.keys, **attn), dec.num_warps, dec.num_stages, head_dim,
+             decode_aligned),
+        # 64 splits is the most default_num_splits asks for: the widest merge.
+        Case(f"decode_merge-d{head_dim}", _decode_merge_kernel, dtype,
+             dict(SPLITS_PAD=64, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16)), head_dim=head_dim,
+             aligned=strides(_decode_merge_kernel)),
+        Case(f"prefill-d{head_dim}", _prefill_kernel, dtype,
+             dict(GROUP=group, TILE_M=pre.rows, TILE_N=pre.keys, **attn), pre.num_warps, pre.num_stages, head_dim,
+             strides(_prefill_kernel, "stride_bt")),
     ]
+
+
+def layer_cases(head_dim: int, dtype: str, num_heads: int = 32, num_kv_heads: int = 8) -> list[Case]:
+    """The per-token kernels whose tiles depend on the head size."""
+    half = head_dim // 2
+    return [
+        Case(f"store_kv-d{head_dim}", _store_kv_kernel, dtype,
+             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim), BLOCK_SIZE=16), head_dim=head_dim,
+             aligned=strides(_store_kv_kernel)),
+        # The cos/sin row is half a head: a multiple of 16 only from head_dim 64 on (not 80).
+        Case(f"rotary-d{head_dim}-h{num_heads}", _rotary_kernel, dtype,
+             dict(HALF=half, HALF_PAD=pow2(half), HEADS_PAD=pow2(num_heads), KV_HEADS_PAD=pow2(num_kv_heads)),
+             head_dim=head_dim, aligned=strides(_rotary_kernel, *(() if half % 16 == 0 else ("stride_cos",)))),
+    ]
+
+
+def hidden_cases(hidden: int, dtype: str) -> list[Case]:
+    # Rows are contiguous: every stride is the hidden size or a multiple of it.
+    aligned = strides(_rms_norm_kernel) | {"hidden"} if hidden % 16 == 0 else frozenset()
+    return [
+        Case(f"rms_norm-{hidden}{'-residual' * residual}", _rms_norm_kernel, dtype,
+             dict(HAS_RESIDUAL=residual, BLOCK=pow2(hidden)), aligned=aligned)
+        for residual in (False, True)
+    ]
+
+
+def silu_case(dtype: str) -> Case:
+    """Every model's intermediate size is a multiple of 16."""
+    return Case("silu_and_mul", _silu_and_mul_kernel, dtype, dict(BLOCK=SILU_BLOCK),
+                aligned=strides(_silu_and_mul_kernel) | {"d"})
+
+
+def worker_cases(
+    head_dims: tuple[int, ...], dtypes: tuple[str, ...], hiddens: tuple[int, ...], wide_groups: tuple[int, ...] = ()
+) -> list[Case]:
+    """Every kernel configuration a worker launches on a GPU for these model shapes.
+
+    Query-head groups of up to 16 heads all pad to one 16-row decode tile; `wide_groups` adds
+    decode launches for wider ones (multi-query models: 48 heads over one KV head pads to 64).
+    """
+    out = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            out += attention_cases(head_dim, dtype) + layer_cases(head_dim, dtype)
+            for group in wide_groups:
+                wide = attention_cases(head_dim, dtype, group=group)[0]
+                out.append(dataclasses.replace(wide, name=f"{wide.name}-g{group}"))
+        for hidden in hiddens:
+            out += hidden_cases(hidden, dtype)
+        out.append(silu_case(dtype))
     return out
 
 
+@triton.jit
+def _planted_int32_product(x_ptr, stride_x, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The bug the IR check looks for, planted: the check must report it, or it checks nothing."""
+    row = tl.program_id(0)
+    tl.store(x_ptr + row * stride_x + tl.arange(0, BLOCK), 0.0)
+
+
+PLANTED = Case("planted_int32_product", _planted_int32_product, "fp32", dict(BLOCK=128))
+
+
+def cases() -> list[Case]:
+    """One of each kernel, at an unusual head size (80: padded to 128)."""
+    out = []
+    for dtype in ("bf16", "fp32"):
+        out += [c for c in attention_cases(80, dtype) if not c.name.startswith("decode_merge")]
+    out += [attention_cases(128, "bf16")[1], *layer_cases(80, "bf16")[:1], layer_cases(128, "bf16")[1]]
+    out += [hidden_cases(1000, "bf16")[1], silu_case("bf16")]
+    return out
+
+
+# ---- The int32 check on the Triton IR ----------------------------------------------------
+
+_RESULT = re.compile(r"^\s*(%[\w.$-]+(?::\d+)?(?:\s*,\s*%[\w.$-]+)*)\s*=\s*([\w.]+)(.*)$")
+_VALUE = re.compile(r"%[\w.$-]+")
+_FUNC = re.compile(r"tt\.func\s+\w*\s*@\w+\((.*?)\)\s*(?:attributes|\{)", re.S)
+_LOC = re.compile(r"\bloc\(.*$")
+
+
+def _function_args(ttir: str, params: list[str]) -> dict[str, str]:
+    """SSA name of each kernel argument -> its Python parameter name."""
+    header = _FUNC.search(ttir)
+    if header is None:
+        raise ValueError("no tt.func in the IR")
+    names = re.findall(r"(%[\w.$-]+)\s*:", header.group(1))
+    non_constexpr = [p for p in params if not p.isupper()]
+    for candidates in (params, non_constexpr):
+        if len(candidates) == len(names):
+            return dict(zip(names, candidates))
+    raise ValueError(f"{len(names)} IR arguments for parameters {params}")
+
+
+def _element_type(mlir_type: str) -> str:
+    """i64 of `i64` and of `tensor<64x1xi64>`."""
+    return re.sub(r"^tensor<(?:\d+x)*", "", mlir_type.strip()).rstrip(">")
+
+
+def int32_index_products(ttir: str, params: list[str]) -> list[str]:
+    """The `arith.muli` lines of the IR that multiply a batch-sized value by a stride in int32.
+
+    A batch-sized value is one computed from the program id along axis 0 or from a value
+    read out of an index array (INDEX_POINTERS); `x % constant` is bounded, not batch-sized.
+    Values the parser cannot trace (loop and region arguments) count as batch-sized, so the
+    check errs towards reporting. A stride is anything computed from a `stride_*` argument.
+    """
+    args = _function_args(ttir, params)
+    strided = {v for v, p in args.items() if p.startswith("stride")}
+    index_ptrs = {v for v, p in args.items() if p in INDEX_POINTERS}
+    defined = set(args)
+    constants: set[str] = set()
+    batch: set[str] = set()
+    found = []
+    lines = [line for line in ttir.splitlines() if _RESULT.match(line)]
+    for line in lines:
+        m = _RESULT.match(line)
+        assert m is not None
+        defined.update(_VALUE.findall(m.group(1)))
+    for line in lines:
+        m = _RESULT.match(line)
+        assert m is not None
+        results = _VALUE.findall(m.group(1))  # `%11:3` (three results) is used as %11#0 .. %11#2
+        op, rest = m.group(2), _LOC.sub("", m.group(3))
+        operands = _VALUE.findall(rest.split(" : ")[0])
+        untraced = any(v not in defined for v in operands)
+        if op == "arith.constant":
+            constants.update(results)
+        elif op == "tt.get_program_id":
+            if " x " in f"{rest} ":
+                batch.update(results)
+        elif op == "tt.load":
+            if operands and operands[0] in index_ptrs:
+                batch.update(results)
+        elif op in ("arith.remsi", "arith.remui", "arith.andi") and any(v in constants for v in operands):
+            pass  # bounded by the constant
+        elif untraced or any(v in batch for v in operands):
+            batch.update(results)
+        if op in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims"):
+            if operands and operands[0] in index_ptrs:
+                index_ptrs.update(results)
+        if op != "tt.load" and any(v in strided for v in operands):
+            strided.update(results)
+        if op == "arith.muli" and any(v in batch for v in operands) and any(v in strided for v in operands):
+            if _element_type(rest.split(" : ")[-1]) != "i64":
+                found.append(line.strip())
+    return found
+
+
 def main() -> None:
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    results = {}
-    for name, fn, dtype, constexprs in cases():
-        key = f"{name}-{dtype}"
+    results: dict[str, dict[str, object]] = {}
+    for case in [*cases(), PLANTED]:
+        params = list(inspect.signature(case.kernel.fn).parameters)
         try:
-            options = {"num_warps": NUM_WARPS.get(fn.fn.__name__, 4)}
-            compiled = triton.compile(signature(fn, dtype, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+            compiled = compile_case(case)
             ok = bool(compiled.asm["cubin"]) and ".target sm_90" in compiled.asm["ptx"]
-            results[key] = "ok" if ok else "no sm_90 cubin"
+            results[case.key] = {"compiled": "ok" if ok else "no sm_90 cubin",
+                                 "int32_index_products": int32_index_products(compiled.asm["ttir"], params)}
         except Exception as error:  # noqa: BLE001 (reported, not raised: one bad kernel must not hide the rest)
-            results[key] = f"{type(error).__name__}: {error}"[:2000]
+            results[case.key] = {"compiled": f"{type(error).__name__}: {error}"[:2000], "int32_index_products": []}
     print(json.dumps(results))
 
 

@@ -155,3 +155,17 @@ def test_deferred_inputs_are_the_tokens_the_last_step_sampled(model: tuple[Llama
     runner.execute(make_plan(5, [Feed(0, prompt, 0, [3])]))
     with pytest.raises(PlanError, match="last fed token"):
         runner.execute(make_plan(6, [Feed(0, [DEFERRED_INPUT, 4], 3, [3])]))
+
+
+def test_a_step_past_the_kernels_token_limit_is_refused(triton_model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+    """The Triton runner knows its int32 token limit (kernels/limits.py) and checks each plan
+    against it; the limit is lowered here so that a small plan passes it."""
+    _, runner = triton_model
+    assert runner.step_token_limit is not None and runner.step_token_limit > 2**30
+    limit, runner.step_token_limit = runner.step_token_limit, 2
+    try:
+        with pytest.raises(PlanError, match="3 tokens in one step, above the kernels' limit of 2"):
+            runner.execute(make_plan(0, [Feed(0, [1, 2, 3], 0, [1])]))
+        runner.execute(make_plan(1, [Feed(0, [1, 2], 0, [1])]))
+    finally:
+        runner.step_token_limit = limit

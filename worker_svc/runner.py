@@ -20,6 +20,7 @@ import torch
 from common.config import WorkerConfig
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
+from kernels.limits import max_tokens_per_step
 from worker_svc import kv_cache
 from worker_svc.host_allocator import keep_freed_memory
 from worker_svc.host_copy import to_host
@@ -46,6 +47,20 @@ from worker_svc.step_profile import StepProfile
 log = structlog.get_logger(__name__)
 
 
+def triton_token_limit(hf_config: Any) -> int:
+    """kernels.limits.max_tokens_per_step for a checkpoint's whole shape (a rank's share
+    only raises the limit, so the whole model's is safe for every tensor-parallel size)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    return max_tokens_per_step(
+        hidden_size=int(text.hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=head_dim_of(hf_config),
+        intermediate_size=int(text.intermediate_size),
+    )
+
+
 class PlanError(ValueError):
     """A plan that would read or write outside this worker's cache or model."""
 
@@ -61,9 +76,18 @@ class ModelRunner:
         bind_device(self.device)  # loading, profiling and graph capture launch kernels on this thread
         keep_freed_memory()  # before the model's first allocations (see worker_svc.host_allocator)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = load_config(config.model)
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, self.dtype, head_dim_of(load_config(config.model))
+            config.attention_backend, self.device, self.dtype, head_dim_of(hf_config)
         )
+        # The Triton kernels index a step's tokens in int32 (kernels/limits.py): a bigger step
+        # is refused here, at start, and per plan in check().
+        self.step_token_limit = triton_token_limit(hf_config) if self.attention_backend == "triton" else None
+        if self.step_token_limit is not None and config.max_num_batched_tokens > self.step_token_limit:
+            raise ValueError(
+                f"--max-num-batched-tokens {config.max_num_batched_tokens} is above {self.step_token_limit}, the most "
+                f"tokens one step may carry through this model's Triton kernels (their int32 indices would wrap)"
+            )
         self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
@@ -199,6 +223,8 @@ class ModelRunner:
         self._check_block_ops(plan)
         if plan.num_seqs == 0:
             return
+        if self.step_token_limit is not None and plan.num_tokens > self.step_token_limit:
+            raise PlanError(f"{plan.num_tokens} tokens in one step, above the kernels' limit of {self.step_token_limit}")
         bt, bs = plan.block_tables, self.block_size
         ends = plan.context_lens.astype(np.int64) + plan.query_lens
         if int(plan.context_lens.min()) < 0 or int(ends.max()) > self.max_model_len:
