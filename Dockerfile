@@ -40,6 +40,7 @@ RUN python deploy/requirements.py --exclude torch triton transformers safetensor
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 COPY README.md ./
+COPY llmserve/ llmserve/
 COPY common/ common/
 COPY scheduler_svc/ scheduler_svc/
 COPY worker_svc/ worker_svc/
@@ -62,6 +63,7 @@ RUN python deploy/requirements.py --extra prepare > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 COPY README.md ./
+COPY llmserve/ llmserve/
 COPY common/ common/
 COPY scheduler_svc/ scheduler_svc/
 COPY worker_svc/ worker_svc/

@@ -26,7 +26,7 @@ test: install typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 typecheck: install
-	$(VENV)/bin/mypy common scheduler_svc
+	$(VENV)/bin/mypy common scheduler_svc llmserve
 
 protos: install
 	$(PY) -m common.protogen

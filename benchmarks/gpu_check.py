@@ -293,7 +293,7 @@ def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> 
     import socket
     import signal
 
-    from common.client import LlmserveClient
+    from llmserve.client import LlmserveClient
 
     prompts = [[300 + 17 * i + j for j in range(8 + 24 * i)] for i in range(4)]
     outputs: dict[int, list[list[int]]] = {}
@@ -303,7 +303,7 @@ def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> 
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", "--model", model_dir,
+        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", model_dir,
                "--port", str(port), "--tp", str(tp), "--device", device.type, "--dtype", dtype]
         if device.type == "cpu":
             cmd += ["--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]

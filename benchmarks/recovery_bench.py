@@ -54,7 +54,7 @@ class _Cluster:
     def __init__(self, model: str, logs: Path) -> None:
         self.port, self.metrics_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{self.port}"
-        cli = [sys.executable, "-m", "common.cli", "--log-level", "warning"]
+        cli = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning"]
         self.scheduler = _Server(
             [*cli, "scheduler", "--model", model, "--port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--worker-health-interval", "1"],
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     logsetup.configure("info")
     model = args.model
     if model is None:
-        from common.cli import cache_root
-        from common.model_prep import prepare_default_model
+        from llmserve.cli import cache_root
+        from llmserve.model_prep import prepare_default_model
 
         model = str(prepare_default_model(cache_root()))
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -178,7 +178,7 @@ def run_mode(args: argparse.Namespace, model: Path, plan_ahead: bool) -> dict[st
             [sys.executable, __file__, "--standin", "--model", str(model), "--listen", f"127.0.0.1:{worker_port}",
              "--step-ms", str(args.step_ms), "--log", str(log_path)], cwd=REPO_ROOT,
         )
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "scheduler", "--model", str(model),
+        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "scheduler", "--model", str(model),
                "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), "--max-num-seqs", str(args.num_seqs)]
         scheduler = subprocess.Popen(cmd + ([] if plan_ahead else ["--no-plan-ahead"]), cwd=REPO_ROOT)
         try:
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve_standin(args))
         return
     from common import log as logsetup
-    from common.cli import cache_root
-    from common.model_prep import prepare_default_model
+    from llmserve.cli import cache_root
+    from llmserve.model_prep import prepare_default_model
 
     logsetup.configure()
     model = Path(args.model) if args.model else prepare_default_model(cache_root())

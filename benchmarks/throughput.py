@@ -376,7 +376,7 @@ async def _serve_and_drive(address: str, server: _Server, workload: Workload, me
 
 def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
     port, metrics_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "llmserve.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir),
            "--metrics-port", str(metrics_port)]
     if args.profile_steps:
         cmd += ["--profile-steps"]
@@ -554,8 +554,8 @@ def _print_table(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logsetup.configure()
-    from common.cli import cache_root
-    from common.model_prep import prepare_default_model
+    from llmserve.cli import cache_root
+    from llmserve.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model(cache_root())
     now = dt.datetime.now()

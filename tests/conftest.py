@@ -49,8 +49,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from common.cli import cache_root
-    from common.model_prep import prepare_default_model
+    from llmserve.cli import cache_root
+    from llmserve.model_prep import prepare_default_model
 
     return prepare_default_model(cache_root())
 
@@ -109,7 +109,7 @@ class WorkerProcess:
 def start_worker(model_dir: Path, *extra: str, dtype: str = "float32") -> WorkerProcess:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
            "--listen", address, "--dtype", dtype, "--device", "cpu", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO)
     return WorkerProcess(proc, address)

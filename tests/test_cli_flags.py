@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import cli
+from llmserve import cli
 
 
 def _args(*flags: str) -> object:

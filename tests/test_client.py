@@ -1,4 +1,4 @@
-"""common.client against a real in-process scheduler and tiny worker.
+"""llmserve.client against a real in-process scheduler and tiny worker.
 
 The blocking client runs in a thread (`asyncio.to_thread`): the scheduler it talks to is served
 by this test's own event loop.
@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.client import (
+from llmserve.client import (
     AsyncLlmserveClient,
     GenerateParams,
     LlmserveClient,

@@ -283,7 +283,7 @@ def test_the_scheduler_image_leaves_out_only_what_the_scheduler_never_imports() 
         "    for m in pkgutil.iter_modules(package.__path__):\n"
         "        if m.name != 'protogen':  # a developer tool (grpcio-tools)\n"
         "            importlib.import_module(f'{package.__name__}.{m.name}')\n"
-        "from common import cli\n"
+        "from llmserve import cli\n"
         "sys.argv = ['llmserve', 'scheduler', '--help']\n"
         "try:\n"
         "    cli.main()\n"

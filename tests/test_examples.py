@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.client import AsyncLlmserveClient
+from llmserve.client import AsyncLlmserveClient
 from tests import test_client
 from tests.conftest import REPO, Scheduler, collect, free_port, request
 

@@ -20,7 +20,7 @@ def test_scheduler_service_imports_no_torch_or_triton() -> None:
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        "import common.cli, common.config, common.plan, common.model_spec\n"
+        "import llmserve.cli, common.config, common.plan, common.model_spec\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers'))\n"
         "print(','.join(bad))\n"
     )
@@ -43,3 +43,31 @@ def test_committed_stubs_match_the_protos(tmp_path: Path) -> None:
     assert fresh == sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / p, committed / p, shallow=False)]
     assert not stale, f"stubs out of date, run `make protos`: {stale}"
+
+
+def test_common_imports_no_service_and_no_launcher() -> None:
+    """common/ holds the contracts both services share; what starts or drives them (CLI,
+    supervisor, rank launcher, model preparation, clients, the offline LLM) is in llmserve/."""
+    import common
+
+    modules = sorted(f"common.{m.name}" for m in pkgutil.iter_modules(common.__path__))
+    assert "common.config" in modules and "common.plan" in modules
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('scheduler_svc', 'worker_svc', 'kernels', 'llmserve', 'torch', 'triton'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "", f"common imported: {out.stdout.strip()}"
+
+
+def test_the_public_package_loads_lazily() -> None:
+    code = "import sys, llmserve; print(','.join(m for m in sys.modules if m.split('.')[0] in ('grpc', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == ""
+    from llmserve import LlmserveClient
+    from llmserve.client import LlmserveClient as direct
+
+    assert LlmserveClient is direct

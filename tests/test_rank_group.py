@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.rank_group import RankGroup, rank_addresses
+from llmserve.rank_group import RankGroup, rank_addresses
 from worker_svc.server import rank_device
 
 

@@ -36,7 +36,7 @@ class Worker:
 
 def start_worker(model_dir: Path, scheduler_port: int) -> Worker:
     address = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
            "--listen", address, "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "128",
            "--scheduler", f"127.0.0.1:{scheduler_port}"]
     return Worker(subprocess.Popen(cmd, cwd=REPO), address)

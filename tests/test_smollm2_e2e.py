@@ -61,7 +61,7 @@ class Up:
     def __init__(self, model_dir: Path, *extra: str) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", "--model", str(model_dir),
+            [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", str(model_dir),
              "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra],
             cwd=REPO,
         )
@@ -195,7 +195,7 @@ def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:
 
 def test_generate_command_streams_to_the_terminal(up: Up) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", "The capital of France is", "--address", up.address,
+        [sys.executable, "-m", "llmserve.cli", "generate", "The capital of France is", "--address", up.address,
          "--max-tokens", "5", "--ignore-eos"],
         capture_output=True, text=True, timeout=60, check=True, cwd=REPO,
     )

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from common.cli import cache_root
+from llmserve.cli import cache_root
 from common.pb.fmaas import generation_pb2 as tgis
 from common.pb.fmaas import generation_pb2_grpc as tgis_grpc
 from common.pb.llmserve.v1 import generation_pb2 as pb

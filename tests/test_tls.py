@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.cli import _client_tls_config, _parser, _server_config, _tls_config
+from llmserve.cli import _client_tls_config, _parser, _server_config, _tls_config
 from common.config import SchedulerConfig, ServerConfig, TlsClientConfig, TlsConfig
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from common.tls import open_channel
@@ -278,7 +278,7 @@ def test_cli_flags_build_the_configs(pki: Pki) -> None:
 
 def test_tls_cert_without_key_is_refused_before_anything_starts(pki: Pki) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "scheduler", "--worker", "127.0.0.1:1", "--model", "/nonexistent",
+        [sys.executable, "-m", "llmserve.cli", "scheduler", "--worker", "127.0.0.1:1", "--model", "/nonexistent",
          "--tls-cert", pki.server_cert],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )

@@ -26,7 +26,7 @@ def start_group(model_dir: Path, tp: int, dist_timeout: float = 5.0) -> tuple[su
     port = free_port()
     while any(_busy(port + r) for r in range(1, tp)):
         port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
            "--listen", f"127.0.0.1:{port}", "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "64",
            "--tp", str(tp), "--dist-timeout", str(dist_timeout)]
     return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(tp)]
@@ -97,7 +97,7 @@ async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_
 def test_a_group_size_the_model_cannot_split_is_refused_at_start(tiny_model_dir: Path) -> None:
     for command in ("worker", "up"):
         out = subprocess.run(
-            [sys.executable, "-m", "common.cli", command, "--model", str(tiny_model_dir), "--device", "cpu", "--tp", "3"],
+            [sys.executable, "-m", "llmserve.cli", command, "--model", str(tiny_model_dir), "--device", "cpu", "--tp", "3"],
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )
         assert out.returncode == 2, out.stderr

@@ -36,7 +36,7 @@ from common.config import (
     TlsConfig,
     WorkerConfig,
 )
-from common.supervisor import Supervised, exit_with_parent
+from llmserve.supervisor import Supervised, exit_with_parent
 
 log = structlog.get_logger("llmserve")
 
@@ -244,7 +244,7 @@ def cache_root() -> Path:
 def _model_dir(arg: str | None) -> str:
     if arg:
         return arg
-    from common.model_prep import prepare_default_model
+    from llmserve.model_prep import prepare_default_model
 
     return str(prepare_default_model(cache_root()))
 
@@ -369,7 +369,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
 def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
     """The worker command line (without --listen) that carries this invocation's worker flags."""
     cmd = [
-        sys.executable, "-m", "common.cli", "--log-level", a.log_level, "worker", "--model", model,
+        sys.executable, "-m", "llmserve.cli", "--log-level", a.log_level, "worker", "--model", model,
         "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
         "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
         "--max-num-seqs", str(a.max_num_seqs),
@@ -404,7 +404,7 @@ def _check_tp(model: str, tp: int) -> None:
 
 def _run_rank_group(a: argparse.Namespace, model: str) -> None:
     """`worker --tp N`: start the N ranks, end them all when one ends (or on SIGTERM)."""
-    from common.rank_group import RankGroup
+    from llmserve.rank_group import RankGroup
 
     _check_tp(model, a.tp)
     cmd = _worker_args(a, model)
@@ -478,7 +478,7 @@ def cmd_up(a: argparse.Namespace) -> None:
         address = f"unix://{sockdir}/worker-{i}.sock"
         commands.append([*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)])
         if a.tp > 1:
-            from common.rank_group import rank_addresses
+            from llmserve.rank_group import rank_addresses
 
             address = ",".join(rank_addresses(address, a.tp))
         addresses.append(address)
@@ -555,7 +555,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
 
 def cmd_prepare_model(a: argparse.Namespace) -> None:
-    from common.model_prep import prepare_default_model
+    from llmserve.model_prep import prepare_default_model
 
     print(prepare_default_model(cache_root()))
 
