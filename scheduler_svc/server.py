@@ -16,7 +16,8 @@ from common.grpc_errors import ErrorInterceptor
 from common.grpc_metrics import GrpcMetricsInterceptor
 from common.model_spec import ModelSpec
 from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
-from common.tls import add_port, tls_mode
+from common.ports import EXCLUSIVE, bind, check_free, serve_http
+from common.tls import tls_mode
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
 from scheduler_svc.registry import Registry
@@ -66,7 +67,9 @@ class SchedulerServer:
             spec.name, self.engine.attach_group, self.engine.detach_group, block_size=lambda: self.engine.block_size
         )
         # Metrics outermost: an error is counted under the status code the client saw.
-        self.server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()])
+        self.server = grpc.aio.server(
+            options=[EXCLUSIVE], interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()]
+        )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
         tgis_servicer.register(self.server, self.engine)
         vllm_servicer.register(self.server, self.engine)
@@ -90,12 +93,12 @@ class SchedulerServer:
     async def start(self) -> int:
         cfg = self.server_config
         await self._on_ready(False)
-        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        if cfg.metrics_port:  # both ports are checked before either opens
+            check_free(f"{cfg.host}:{cfg.metrics_port}", "--metrics-port")
+        self.port = bind(self.server, f"{cfg.host}:{cfg.port}", cfg.tls, "--port")
         await self.server.start()
         if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port, cfg.host)
+            serve_http(self.metrics.serve, cfg.metrics_port, cfg.host, "--metrics-port")
         self.engine.start()
         log.info(
             "scheduler_listening", host=cfg.host, port=self.port, metrics_port=cfg.metrics_port or None,

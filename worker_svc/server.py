@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from common.config import TlsConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
-from common.tls import add_port, tls_mode
+from common.ports import EXCLUSIVE, bind, check_free, serve_http
+from common.tls import tls_mode
 from worker_svc.loader import resolve_device
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.parallel import init_group
@@ -31,6 +32,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    EXCLUSIVE,
 ]
 
 
@@ -49,6 +51,8 @@ class WorkerServer:
         self.grace_seconds = grace_seconds
         self.tls = tls
         self.reflection = reflection
+        # A taken port is refused now, not after the model has loaded.
+        check_free(address, "--listen")
         # Loading comes first: the port opens only when the worker can answer the handshake,
         # so a scheduler waiting on the channel never sees a half-ready worker.
         device = rank_device(resolve_device(config.device), config.rank, config.world_size)
@@ -72,14 +76,14 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = add_port(self.server, self.address, self.tls)
-        if self.port == 0 and not self.address.startswith("unix:"):
-            raise OSError(f"cannot listen on {self.address}")
+        # Metrics listen on the same interface as the service (loopback for a unix socket).
+        host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
+        if self.metrics_port:
+            check_free(f"{host}:{self.metrics_port}", "--metrics-port")
+        self.port = bind(self.server, self.address, self.tls, "--listen")
         await self.server.start()
         if self.metrics_port:
-            # Metrics listen on the same interface as the service (loopback for a unix socket).
-            host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
-            self.metrics.serve(self.metrics_port, host)
+            serve_http(self.metrics.serve, self.metrics_port, host, "--metrics-port")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.registrar is not None:
