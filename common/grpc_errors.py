@@ -39,8 +39,37 @@ async def _abort_with(context: grpc.aio.ServicerContext, error: Exception, metho
     await context.abort(code, message)
 
 
+class _Undecodable:
+    """What a request that does not parse as its message type deserializes to."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """gRPC answers a deserializer's exception with UNKNOWN ("Unexpected DecodeError"), a
+    status no caller expects: the handler refuses the request instead (INVALID_ARGUMENT)."""
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # noqa: BLE001 (any parse failure is the caller's bytes)
+            return _Undecodable(str(error) or type(error).__name__)
+
+    return parse
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(request, _Undecodable):
+        log.info("rpc_refused", method=method, code="INVALID_ARGUMENT", reason="undecodable request")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as {method}'s message: {request.reason}")
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps `LlmserveError` subclasses raised by handlers to status codes.
+    """Maps `LlmserveError` subclasses raised by handlers to status codes, and requests that
+    do not parse to INVALID_ARGUMENT.
 
     Wraps unary-unary and unary-stream handlers (the shapes our public services use); the
     worker's bidi stream manages its own failures.
@@ -59,6 +88,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await _refuse_undecodable(request, context, method)
                 try:
                     return await inner_uu(request, context)
                 except Exception as error:  # noqa: BLE001
@@ -68,13 +98,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await _refuse_undecodable(request, context, method)
                 try:
                     async for response in inner_us(request, context):
                         yield response
@@ -85,7 +116,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler

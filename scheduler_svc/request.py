@@ -123,8 +123,22 @@ class Limits:
         )
 
 
+MAX_REQUEST_ID_LENGTH = 256
+
+
+def check_request_id(request_id: str) -> None:
+    """A request id is echoed as gRPC metadata (x-request-id) and logged: printable ASCII only,
+    as metadata values must be, and short."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
+    bad = next((c for c in request_id if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise InvalidArgument("request_id", f"printable ASCII only (gRPC metadata), got {bad!r}")
+
+
 def check_fields(req: GenerationRequest, limits: Limits) -> None:
     """Checks that need no tokenizer; raises InvalidArgument naming the field."""
+    check_request_id(req.request_id)
     given = sum(map(bool, (req.prompt, req.prompt_token_ids, req.messages)))
     if given > 1:
         raise InvalidArgument("prompt", "set exactly one of prompt, prompt_token_ids and messages")

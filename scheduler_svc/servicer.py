@@ -14,6 +14,7 @@ from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from scheduler_svc import wire
 from scheduler_svc.engine import Engine
+from scheduler_svc.request import check_request_id
 
 # Caller ids accepted from metadata, echoed back and bound into every log line of the request.
 ID_HEADERS = ("x-request-id", "x-correlation-id")
@@ -36,6 +37,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         req = wire.generation_request(request)
+        check_request_id(req.request_id)  # before it becomes metadata
         headers = trace_headers(context)
         # Only the request_id field is a key (unique while in flight, the handle for Abort):
         # trace headers may be shared by several calls, so they are echoed and logged, not keys.
