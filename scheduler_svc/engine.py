@@ -36,7 +36,7 @@ from scheduler_svc.request import (
     sampling_params,
     stopping_params,
 )
-from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.request_stream import TRACE_FIELDS, RequestStream
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.sequence_group import SequenceGroup
@@ -137,12 +137,17 @@ class Engine:
 
     # ---- requests ----
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: GenerationRequest, cause: Callable[[], str] | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Validate, queue, and stream the outputs of one request.
 
         Pieces of the same output that queued up while the caller was sending the last one go
         out as one message: a busy server sends fewer, larger messages instead of falling behind
-        (each message costs the event loop the same, whatever it carries)."""
+        (each message costs the event loop the same, whatever it carries).
+
+        `cause` names why the caller went away when this generator is cancelled (the API
+        knows: a deadline, a cancel); it goes into the request_aborted log line."""
         stream = self._admit(req)
         # Every log line of this handler's task carries the request id from here on.
         structlog.contextvars.bind_contextvars(request_id=stream.request_id)
@@ -167,6 +172,10 @@ class Engine:
                     item = item.followed_by(later)
                     queued.popleft()
                 yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            # gRPC cancels the handler's task, or closes its generator (at a deadline).
+            stream.abort_reason = cause() if cause is not None else "cancelled"
+            raise
         finally:
             if not done:
                 self._abort(stream)
@@ -197,7 +206,10 @@ class Engine:
             arrival=arrival,
         )
         group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
-        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target)
+        # The caller's trace ids (bound by the API handler) go on the request's lines that the
+        # step loop writes too, which runs in another task.
+        trace = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in TRACE_FIELDS}
+        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target, trace=trace)
         self._streams[request_id] = stream
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
@@ -269,6 +281,7 @@ class Engine:
             stream = self._streams.get(request_id)
             if stream is not None and not stream.aborted:
                 stream.aborted = True
+                stream.abort_reason = "abort_call"
                 stream.fail(Cancelled(f"request {request_id!r} was aborted by an Abort call"))
                 self._abort(stream)
                 aborted.append(request_id)

@@ -315,7 +315,8 @@ class Fleet:
                 elif self._streams.get(item.request_id) is item:
                     del self._streams[item.request_id]
                     scheduler.abort(item.group.group_id)
-                    log.info("request_aborted", request_id=item.request_id, completion_tokens=item.num_output_tokens)
+                    log.info("request_aborted", request_id=item.request_id, reason=item.abort_reason or "cancelled",
+                             completion_tokens=item.num_output_tokens, **item.trace)
             except Exception:
                 # What was not applied stays queued, so the failure path ends those requests too.
                 replica.inbox[:0] = inbox[i:]

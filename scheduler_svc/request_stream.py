@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from scheduler_svc.replica import Replica
 
 
+# Log fields of the caller's trace headers (scheduler_svc/servicer.py log_fields).
+TRACE_FIELDS = ("x_request_id", "x_correlation_id")
+
+
 @dataclass(eq=False)
 class RequestStream:
     group: SequenceGroup
@@ -33,6 +37,8 @@ class RequestStream:
     replica: Replica | None = None  # the worker group the request is on (it moves on recovery)
     queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
     aborted: bool = False  # by an Abort call: its blocks go at the next step
+    abort_reason: str | None = None  # abort_call, deadline, cancelled
+    trace: dict[str, str] = field(default_factory=dict)  # the caller's x-request-id / x-correlation-id
     # Latency bookkeeping for the metrics (monotonic seconds).
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -23,6 +23,17 @@ ID_HEADERS = ("x-request-id", "x-correlation-id")
 def trace_headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
     """The caller's x-request-id / x-correlation-id metadata (both APIs echo and log them)."""
     return {k: v for k, v in (context.invocation_metadata() or ()) if k in ID_HEADERS and isinstance(v, str)}
+
+
+def end_cause(context: grpc.aio.ServicerContext) -> Callable[[], str]:
+    """Why a cancelled handler's caller went away: its deadline passed, or it cancelled or
+    disconnected (gRPC does not tell those two apart on the server)."""
+
+    def cause() -> str:
+        remaining = context.time_remaining()
+        return "deadline" if remaining is not None and remaining < 0.05 else "cancelled"
+
+    return cause
 
 
 def log_fields(headers: dict[str, str]) -> dict[str, str]:
@@ -45,7 +56,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         echo = {"x-request-id": request_id, **headers}
         await context.send_initial_metadata(tuple(echo.items()))
         with structlog.contextvars.bound_contextvars(**log_fields(headers)):
-            async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id)):
+            async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id), end_cause(context)):
                 yield wire.generate_response(out)
 
     async def Abort(  # noqa: N802

@@ -62,6 +62,7 @@ class StepReporter:
             preemptions=stats.num_preemptions,
             swaps=stats.num_swaps,
             swapped_bytes=stats.swapped_bytes,
+            **stream.trace,
         )
 
     def observe_admissions(self, scheduler: Scheduler) -> None:

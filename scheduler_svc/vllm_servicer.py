@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
@@ -35,7 +35,7 @@ from scheduler_svc import vllm_wire
 from scheduler_svc.engine import Engine
 from scheduler_svc.kv_event_log import KvEventLog
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
-from scheduler_svc.servicer import log_fields, trace_headers
+from scheduler_svc.servicer import end_cause, log_fields, trace_headers
 from scheduler_svc.tokenizer_bundle import TokenizerBundle, build_bundle
 from scheduler_svc.vllm_wire import GenerateCall
 
@@ -90,7 +90,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
         with structlog.contextvars.bound_contextvars(**log_fields(headers)):
-            async for message in self._generate(call, req, prompt):
+            async for message in self._generate(call, req, prompt, end_cause(context)):
                 yield message
 
     def _prompt(self, call: GenerateCall) -> list[int]:
@@ -107,12 +107,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             keep = limits.max_prompt_tokens or limits.max_model_len - 1
         return ids[-keep:] if keep else ids
 
-    async def _generate(self, call: GenerateCall, req: GenerationRequest, prompt: list[int]) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(
+        self, call: GenerateCall, req: GenerationRequest, prompt: list[int], cause: Callable[[], str]
+    ) -> AsyncIterator[pb.GenerateResponse]:
         outputs: dict[int, _Output] = {}
         prompt_entries: tuple[TokenLogprob, ...] = ()
         aborted = False
         try:
-            async for out in self._engine.generate(req):
+            async for out in self._engine.generate(req, cause):
                 prompt_entries = prompt_entries or out.prompt_logprobs
                 state = outputs.setdefault(out.index, _Output())
                 state.add(out)
