@@ -84,11 +84,22 @@ class SchedulerServer:
                 self.server,
             )
         self.port = 0
+        self._announced = False
 
     async def _on_ready(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME, vllm_servicer.SERVICE_NAME):
             await self.health.set(name, status)
+        if ready and not self._announced and self.port:
+            # The moment requests can be answered: the port listened since start(), but
+            # without a ready worker group every request was UNAVAILABLE.
+            self._announced = True
+            cfg = self.server_config
+            log.info(
+                "ready", grpc=f"{cfg.host}:{self.port}",
+                metrics=f"http://{cfg.host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
+                groups=len(self.engine.replicas),
+            )
 
     async def start(self) -> int:
         cfg = self.server_config

@@ -1,4 +1,5 @@
-"""Every log line of a request carries the caller's x-request-id, and an abort says why it came.
+"""Every log line of a request carries the caller's x-request-id, an abort says why it came, and
+one line says when the scheduler is ready.
 
 A real scheduler process logging JSON at info level; its lines are read back from stderr.
 """
@@ -128,3 +129,17 @@ async def test_an_abort_call_is_logged_as_the_abort_reason(
             pass
     aborted = await scheduler.logged("request_aborted", "r-abort")
     assert aborted["reason"] == "abort_call"
+
+
+async def test_one_ready_line_once_a_worker_group_is_ready(
+    scheduler: LoggingScheduler, stub: generation_pb2_grpc.GenerationStub
+) -> None:
+    """`scheduler_listening` comes when the port opens, seconds before anything can be
+    answered; `ready` when the first worker group is, and only then."""
+    events = [json.loads(line) for line in scheduler.log.read_text().splitlines() if line.startswith("{")]
+    names = [e["event"] for e in events]
+    assert names.count("ready") == 1, names
+    ready = events[names.index("ready")]
+    assert ready["grpc"] == f"127.0.0.1:{scheduler.port}" and ready["groups"] == 1
+    assert names.index("scheduler_listening") < names.index("ready")
+    assert names.index("worker_ready") < names.index("ready")
