@@ -36,6 +36,7 @@ from scheduler_svc.request import (
     sampling_params,
     stopping_params,
 )
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import TRACE_FIELDS, RequestStream
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
@@ -64,7 +65,7 @@ class Engine:
         self.chat_template = chat_template
         self.config = config
         self.metrics = metrics or SchedulerMetrics(spec.name)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams = LiveStreams()
         static = workers if isinstance(workers, list) else [workers] if workers is not None else []
         self._fleet = Fleet(spec, config, self._streams, self.metrics, static, worker_factory, on_ready, connect_timeout)
         self._arrivals = itertools.count()
@@ -130,9 +131,8 @@ class Engine:
     async def stop(self) -> None:
         # Requests end first, as shut down: the loops' teardown would otherwise fail them as
         # lost workers (ABORTED once they streamed tokens).
-        for stream in self._streams.values():
+        for stream in self._streams.clear():
             stream.fail(Unavailable("the server is shutting down"))
-        self._streams.clear()
         await self._fleet.stop()
 
     # ---- requests ----
@@ -190,7 +190,7 @@ class Engine:
         tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
         check_length(len(tokens), req.max_tokens, self.limits)
         request_id = req.request_id or uuid.uuid4().hex
-        if request_id in self._streams:
+        if self._streams.get(request_id) is not None:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         sampling = sampling_params(req, seed, self.limits)
@@ -210,7 +210,7 @@ class Engine:
         # step loop writes too, which runs in another task.
         trace = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in TRACE_FIELDS}
         stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target, trace=trace)
-        self._streams[request_id] = stream
+        self._streams.add(stream)
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
         log.info(
@@ -299,5 +299,5 @@ class Engine:
         replica = stream.replica
         if replica is not None and self._fleet.holds(replica):
             replica.post(stream)
-        elif self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+        else:
+            self._streams.drop(stream)

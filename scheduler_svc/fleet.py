@@ -36,6 +36,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import CacheFlush, Replica
 from scheduler_svc.request import Limits
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import Scheduler
@@ -51,7 +52,7 @@ class Fleet:
         self,
         spec: ModelSpec,
         config: SchedulerConfig,
-        streams: dict[str, RequestStream],
+        streams: LiveStreams,
         metrics: SchedulerMetrics,
         workers: list[WorkerLink],
         worker_factory: Callable[[list[str]], WorkerLink] | None,
@@ -241,8 +242,8 @@ class Fleet:
         targets = [r for r in self.serving if r is not lost]
         moved = failed = 0
         for group in groups:
-            stream = self._streams.get(group.request_id)
-            if stream is None or stream.group is not group:
+            stream = self._streams.of(group)
+            if stream is None:
                 continue
             target = self.router.place_moved(targets, group)
             if target is None:
@@ -258,7 +259,7 @@ class Fleet:
 
     def _fail_stream(self, group: SequenceGroup, what: str) -> None:
         """End a request that lost its worker: ABORTED if it streamed tokens, else UNAVAILABLE."""
-        stream = self._streams.pop(group.request_id, None)
+        stream = self._streams.drop_group(group)
         if stream is None:
             return
         # best_of > n and beams send nothing before the end: their client may simply retry.
@@ -267,8 +268,7 @@ class Fleet:
 
     def _drop_aborted(self, aborts: list[RequestStream]) -> None:
         for stream in aborts:
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
+            self._streams.drop(stream)
 
     async def _refresh_ready(self) -> None:
         """Tell health whether any group serves; limits follow the groups that do."""
@@ -307,13 +307,11 @@ class Fleet:
         for i, item in enumerate(inbox):
             try:
                 if isinstance(item, SequenceGroup):
-                    stream = self._streams.get(item.request_id)
-                    if stream is not None and stream.group is item:
+                    if self._streams.of(item) is not None:
                         scheduler.add(item)
                 elif isinstance(item, CacheFlush):
                     item.resolve(scheduler.block_manager.reset_prefix_cache())
-                elif self._streams.get(item.request_id) is item:
-                    del self._streams[item.request_id]
+                elif self._streams.drop(item):
                     scheduler.abort(item.group.group_id)
                     log.info("request_aborted", request_id=item.request_id, reason=item.abort_reason or "cancelled",
                              completion_tokens=item.num_output_tokens, **item.trace)

@@ -12,6 +12,7 @@ import structlog
 
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import Replica
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler, TokenEvent
 from common.plan import StepResult
@@ -21,7 +22,7 @@ log = structlog.get_logger(__name__)
 
 
 class StepReporter:
-    def __init__(self, metrics: SchedulerMetrics, streams: dict[str, RequestStream]) -> None:
+    def __init__(self, metrics: SchedulerMetrics, streams: LiveStreams) -> None:
         self.metrics = metrics
         self.streams = streams
 
@@ -29,8 +30,9 @@ class StepReporter:
         touched: dict[str, RequestStream] = {}
         now = time.monotonic()
         for event in events:
-            stream = self.streams.get(event.seq.request_id)
-            if stream is None or stream.group is not event.seq.group:
+            group = event.seq.group
+            stream = self.streams.of(group) if group is not None else None
+            if stream is None:
                 continue
             if event.token_id >= 0:
                 stream.on_token(event, scheduler)
@@ -49,7 +51,7 @@ class StepReporter:
 
     def _close(self, stream: RequestStream) -> None:
         stream.finish()
-        del self.streams[stream.request_id]
+        self.streams.drop(stream)
         self.metrics.e2e.observe(time.monotonic() - stream.arrival_time)
         stats = stream.stats()
         log.info(
@@ -68,8 +70,8 @@ class StepReporter:
     def observe_admissions(self, scheduler: Scheduler) -> None:
         now = time.monotonic()
         for group in scheduler.admitted:
-            stream = self.streams.get(group.request_id)
-            if stream is not None and stream.group is group and not stream.scheduled:
+            stream = self.streams.of(group)
+            if stream is not None and not stream.scheduled:
                 stream.scheduled = True
                 self.metrics.queue_time.observe(now - stream.arrival_time)
 

@@ -357,7 +357,9 @@ async def test_an_abort_while_a_group_is_replaced_ends_the_request_it_names(
         await until(lambda: len(engine.replicas) == 2)
         in_flight = asyncio.create_task(generate(engine, 0, 30))  # on g: ties go to the first
         await until(lambda: workers["g-1"].steps > 2)
-        group = engine._streams["q0"].group  # noqa: SLF001
+        stream = engine._streams.get("q0")  # noqa: SLF001
+        assert stream is not None
+        group = stream.group
         engine.detach_group("g")
         engine.attach_group("g", ["g-2"])
         # The request is still on the old g, which has not torn down yet.
