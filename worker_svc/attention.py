@@ -5,7 +5,7 @@ A backend is two calls:
   `forward(q, k, v, k_cache, v_cache, meta)`  per layer: store this step's K/V into the paged
       cache, then attend each query token to its sequence's cached tokens, causally.
 
-Cache layout (DESIGN.md section 2): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim].
+Cache layout (docs/design.md section 2): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
