@@ -350,6 +350,39 @@ class Scheduler:
         self.num_preemptions += 1
         return mode
 
+    def resume(self, group: SequenceGroup) -> None:
+        """Move the head of swapped or waiting (StepPlanner.head) to running: swapped blocks come
+        back in, a new prompt starts from its prefix-cache hit."""
+        if group.status is SequenceStatus.SWAPPED:
+            if not self.swapped or self.swapped[0] is not group:
+                raise RuntimeError(f"group {group.request_id} is not the head of the swapped queue")
+            self.swapped.pop(0)
+            group.swapped_blocks += self.block_manager.swap_in([s.seq_id for s in group.live()])
+        else:
+            if not self.waiting or self.waiting[0] is not group:
+                raise RuntimeError(f"group {group.request_id} is not the head of the waiting queue")
+            self.waiting.pop(0)
+            self._attach_prefixes(group)
+            self.admitted.append(group)
+        group.status = SequenceStatus.RUNNING
+        for seq in group.live():
+            seq.status = SequenceStatus.RUNNING
+        self.enqueue(self.running, group)
+        self.running_slots += group.width
+
+    def _attach_prefixes(self, group: SequenceGroup) -> None:
+        """Start the group's first sequence from its prefix-cache hit (the others follow it)."""
+        bm = self.block_manager
+        for seq in group.live()[:1]:
+            # Prompt log-probabilities need every prompt position computed: no prefix reuse.
+            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
+            bm.attach(seq.seq_id, hit)
+            seq.num_computed_tokens = len(hit) * bm.block_size
+            group.prefix_hit_tokens += seq.num_computed_tokens
+            if seq.sampling.prompt_logprobs is None:  # the others never query the cache
+                self.prefix_hit_tokens += seq.num_computed_tokens
+                self.prefix_queried_tokens += seq.num_tokens
+
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
         """Apply the worker's result of `plan` (the oldest plan in flight): advance the caches,
         append sampled tokens."""

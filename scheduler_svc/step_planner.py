@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 
 class StepPlanner:
+    """Decides; the Scheduler owns the queues and counters and changes them through its own
+    verbs (`preempt`, `fork`, `resume`), which the planner calls. The planner writes only
+    block allocations and the sequences' progress of the step it plans."""
+
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
         self.bm = scheduler.block_manager
@@ -223,31 +227,7 @@ class StepPlanner:
             if group is None or group.preempted_step == self.s.next_step_id or not self._fits(group, budget):
                 # A group that gave its blocks back in this step does not take them back in it.
                 return
-            if group.status is SequenceStatus.SWAPPED:
-                self.s.swapped.pop(0)
-                group.swapped_blocks += bm.swap_in([s.seq_id for s in group.live()])
-            else:
-                self.s.waiting.pop(0)
-                self._attach_prefixes(group)
-                self.s.admitted.append(group)
-            group.status = SequenceStatus.RUNNING
-            for seq in group.live():
-                seq.status = SequenceStatus.RUNNING
-            self.s.enqueue(self.s.running, group)
-            self.s.running_slots += group.width
+            self.s.resume(group)
             rows = self._rows(group, budget)
             if self._blocks_needed(rows) <= bm.num_free_blocks:
                 budget -= self._take(rows, seqs, query_lens)
-
-    def _attach_prefixes(self, group: SequenceGroup) -> None:
-        """Start the group's first sequence from its prefix-cache hit (the others follow it)."""
-        bm = self.bm
-        for seq in group.live()[:1]:
-            # Prompt log-probabilities need every prompt position computed: no prefix reuse.
-            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
-            bm.attach(seq.seq_id, hit)
-            seq.num_computed_tokens = len(hit) * bm.block_size
-            group.prefix_hit_tokens += seq.num_computed_tokens
-            if seq.sampling.prompt_logprobs is None:  # the others never query the cache
-                self.s.prefix_hit_tokens += seq.num_computed_tokens
-                self.s.prefix_queried_tokens += seq.num_tokens
