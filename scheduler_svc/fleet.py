@@ -94,7 +94,7 @@ class Fleet:
     @property
     def block_size(self) -> int:
         """The KV block size every group must use: configured, else the serving groups' (0: any)."""
-        return self.config.block_size or next((r.scheduler.block_manager.block_size for r in self.serving), 0)  # type: ignore[union-attr]
+        return self.config.block_size or next((r.accounting.block_manager.block_size for r in self.serving), 0)
 
     def holds(self, replica: Replica) -> bool:
         """Whether `replica` is the live group of its name (not one torn down or replaced)."""
@@ -274,7 +274,7 @@ class Fleet:
         """Tell health whether any group serves; limits follow the groups that do."""
         ready = self.serving
         if ready:
-            self.limits = Limits.of(self.spec, self.config, min(r.scheduler.max_model_len for r in ready))  # type: ignore[union-attr]
+            self.limits = Limits.of(self.spec, self.config, min(r.accounting.max_model_len for r in ready))
         else:
             # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
             # gauges at their last values until a worker is back.
@@ -325,7 +325,8 @@ class Fleet:
         # A link that takes a plan before the last result (PipelinedLink) gets the next step as
         # soon as the scheduler can plan it: the worker then goes from one step to the next
         # without waiting for the scheduler. Others run one step at a time.
-        depth = 2 if self.config.plan_ahead and isinstance(worker, PipelinedLink) else 1
+        pipelined = worker if self.config.plan_ahead and isinstance(worker, PipelinedLink) else None
+        depth = 2 if pipelined is not None else 1
         in_flight: deque[tuple[StepPlan, float]] = deque()  # plans sent, and their build seconds
         while True:
             if not replica.attached:
@@ -340,16 +341,16 @@ class Fleet:
                     break
                 plan_build = time.perf_counter() - build_start
                 self._reporter.observe_admissions(scheduler)
-                if depth > 1:
-                    await worker.submit(plan)  # type: ignore[attr-defined]
+                if pipelined is not None:
+                    await pipelined.submit(plan)
                 in_flight.append((plan, plan_build))
             if not in_flight:
                 await replica.wake.wait()
                 continue
             plan, plan_build = in_flight.popleft()
             with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
-                if depth > 1:
-                    result, timing = await worker.receive(plan)  # type: ignore[attr-defined]
+                if pipelined is not None:
+                    result, timing = await pipelined.receive(plan)
                 else:
                     result, timing = await worker.execute(plan)
                 update_start = time.perf_counter()

@@ -62,6 +62,13 @@ class Replica:
         return self.scheduler is not None and self.attached
 
     @property
+    def accounting(self) -> Scheduler:
+        """The scheduler of a ready group (the router and fleet only look at ready ones)."""
+        if self.scheduler is None:
+            raise RuntimeError(f"worker group {self.name} is not serving")
+        return self.scheduler
+
+    @property
     def block_bytes(self) -> int:
         return self.info.block_bytes if self.info is not None else 0
 

@@ -41,12 +41,12 @@ class Router:
                 field = "sampling.beam_width" if beam else "sampling.best_of"
                 raise InvalidArgument(field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})")
         prompt = len(token_ids)
-        fit = [r for r in ready if r.scheduler.can_ever_fit(prompt, total, width)]  # type: ignore[union-attr]
+        fit = [r for r in ready if r.accounting.can_ever_fit(prompt, total, width)]
         if not fit:
-            biggest = max((r.scheduler for r in ready), key=lambda s: s.block_manager.num_blocks)  # type: ignore[union-attr]
-            bm = biggest.block_manager  # type: ignore[union-attr]
+            biggest = max((r.accounting for r in ready), key=lambda s: s.block_manager.num_blocks)
+            bm = biggest.block_manager
             raise ResourceExhausted(
-                f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "  # type: ignore[union-attr]
+                f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "
                 f"{total} tokens), more than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size}); "
                 f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width"
             )
@@ -68,7 +68,7 @@ class Router:
             return candidates[0] if candidates else None
         hashes: list[int] = []
         if self.enable_prefix_caching:
-            block_size = candidates[0].scheduler.block_manager.block_size  # type: ignore[union-attr]
+            block_size = candidates[0].accounting.block_manager.block_size
             # As in BlockManager.prefix_hit: the last prompt token is always computed.
             extend_chain(hashes, token_ids, block_size, (len(token_ids) - 1) // block_size)
         return max(candidates, key=lambda r: self._room(r, hashes))
