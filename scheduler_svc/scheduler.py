@@ -438,14 +438,13 @@ class Scheduler:
             seq.cumulative_logprob += logprob
             k = seq.sampling.logprobs
             top = tuple(zip(result.top_token_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist())) if k and has_top else ()
-            if token in seq.stop_ids and seq.num_output_tokens > seq.stopping.min_tokens:
-                reason: FinishReason | None = FinishReason.STOP
-            elif len(seq.token_ids) >= seq.token_limit:
-                reason = self.stop_reason(seq, token)
-            else:
+            # The common case, a token that neither stops nor reaches a limit, costs one set
+            # lookup and one comparison; the rules themselves are Sequence.end_reason.
+            reason = seq.end_reason(token) if token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit else None
+            if reason is None:
                 events.append(TokenEvent(seq, token, logprob, None, False, top))
                 continue
-            ended = self.finish_seq(seq.seq_id, reason) if reason is not None else False
+            ended = self.finish_seq(seq.seq_id, reason)
             events.append(TokenEvent(seq, token, logprob, reason, ended, top))
         if result.prompt_offsets.size:
             self._collect_prompt_logprobs(seqs, plan, result)
@@ -476,7 +475,7 @@ class Scheduler:
         stop_ids = set(beams[0].stopping.stop_token_ids)
         if not beams[0].stopping.ignore_eos:
             stop_ids |= self.eos_token_ids
-        ends = [self._beam_end(b) for b in beams]
+        ends = [b.end_reason(ahead=1) for b in beams]
         choice = group.beam.step(beams, result.top_token_ids[rows], result.top_logprobs[rows], ends, frozenset(stop_ids))
         if choice.done:
             for seq in group.live():
@@ -498,26 +497,6 @@ class Scheduler:
             parent.token_ids.append(picks[0][0])
             parent.cumulative_logprob = picks[0][1]
         return []
-
-    def _beam_end(self, beam: Sequence) -> FinishReason | None:
-        """Why one more token would end this beam, whatever the token."""
-        max_tokens = beam.stopping.max_tokens
-        if max_tokens is not None and beam.num_output_tokens + 1 >= max_tokens:
-            return FinishReason.LENGTH
-        if beam.num_tokens + 1 >= self.max_model_len:
-            return FinishReason.CONTEXT_LENGTH
-        return None
-
-    def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why appending `token` ends `seq` (token already appended)."""
-        stopping = seq.stopping
-        if token in seq.stop_ids and seq.num_output_tokens > stopping.min_tokens:
-            return FinishReason.STOP
-        if stopping.max_tokens is not None and seq.num_output_tokens >= stopping.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.CONTEXT_LENGTH
-        return None
 
     def check_integrity(self) -> None:
         """Queues, sequence states and block tables agree with each other and with the pools."""

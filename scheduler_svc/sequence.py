@@ -129,6 +129,19 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
+    def end_reason(self, token: int | None = None, ahead: int = 0) -> FinishReason | None:
+        """The stop and length rules, in one place: why `token`, just appended, ends this
+        sequence; or, with token None and ahead=1, why one more token of any value would
+        (beam search asks before it picks). Needs stop_ids and token_limit (set at admission)."""
+        stopping = self.stopping
+        if token is not None and token in self.stop_ids and self.num_output_tokens > stopping.min_tokens:
+            return FinishReason.STOP
+        if stopping.max_tokens is not None and self.num_output_tokens + ahead >= stopping.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens + ahead >= self.token_limit:
+            return FinishReason.CONTEXT_LENGTH
+        return None
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
