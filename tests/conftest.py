@@ -167,6 +167,22 @@ def _replica_idle(replica) -> bool:  # type: ignore[no-untyped-def]
             and bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks)
 
 
+async def wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> None:
+    """Poll the standard health service until the server behind `channel` says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        assert time.monotonic() < deadline, "the server never became SERVING"
+        await asyncio.sleep(0.2)
+
+
 async def start_scheduler(model_dir: Path, worker_address: str, **config: int) -> Scheduler:
     from scheduler_svc.server import SchedulerServer
 

@@ -7,7 +7,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.llmserve.v1 import generation_pb2_grpc
-from tests.conftest import REPO, WorkerProcess, collect, free_port, request
+from tests.conftest import REPO, WorkerProcess, collect, free_port, request, wait_serving
 
 
 async def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(
@@ -31,15 +30,7 @@ async def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                assert time.monotonic() < deadline, "scheduler never became SERVING"
-                await asyncio.sleep(0.2)
+            await wait_serving(channel)
             # Slow enough to still be running when SIGTERM arrives: 400 tokens, a few ms each.
             in_flight = stub.Generate(request(ids=[7, 8, 9], max_tokens=400, ignore_eos=True))
             first = await in_flight.read()

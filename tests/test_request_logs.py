@@ -11,18 +11,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
-from tests.conftest import REPO, WorkerProcess, free_port
+from tests.conftest import REPO, WorkerProcess, free_port, wait_serving
 
 LONG = pb.StoppingCriteria(max_tokens=500, ignore_eos=True)
 
@@ -70,16 +68,7 @@ def scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess, tmp_path_factory
 @pytest.fixture
 async def stub(scheduler: LoggingScheduler) -> AsyncIterator[generation_pb2_grpc.GenerationStub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            assert time.monotonic() < deadline, "scheduler never became SERVING"
-            await asyncio.sleep(0.2)
+        await wait_serving(channel)
         yield generation_pb2_grpc.GenerationStub(channel)
 
 
