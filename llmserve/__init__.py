@@ -1,4 +1,7 @@
-"""llmserve's public Python package: the gRPC clients and the `llmserve` command.
+"""llmserve's public Python package: the gRPC clients, the offline API and the `llmserve` command.
+
+    from llmserve import LLM, SamplingParams          # offline batch generation, vLLM's shape
+    from llmserve import LlmserveClient               # a client of a running service
 
 Names load on first use, so `import llmserve` alone starts nothing and imports neither torch
 nor grpc.
@@ -12,6 +15,10 @@ from typing import Any
 _EXPORTS = {
     "LlmserveClient": "llmserve.client",
     "AsyncLlmserveClient": "llmserve.client",
+    "LLM": "llmserve.llm",
+    "SamplingParams": "llmserve.sampling_params",
+    "RequestOutput": "llmserve.outputs",
+    "CompletionOutput": "llmserve.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

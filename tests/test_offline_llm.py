@@ -1,0 +1,208 @@
+"""The offline API (`from llmserve import LLM, SamplingParams`) over a real worker process and
+the tiny random Llama: outputs against transformers, every prompt and parameter form, and
+that closing (or forgetting) an LLM leaves no process and no directory behind."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llmserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+ENGINE = {"dtype": "float32", "device": "cpu", "num_gpu_blocks": 128, "max_num_seqs": 16}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with SmolLM2's chat template, for chat()."""
+    out = tmp_path_factory.mktemp("offline") / "tiny-chat"
+    shutil.copytree(tiny_model_dir, out)
+    shutil.copy(smollm2_dir / "chat_template.jinja", out / "chat_template.jinja")
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[LLM]:
+    with LLM(str(model_dir), **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_greedy_equals_transformers_generate(llm: LLM, hf) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    model, tok = hf
+    # min_tokens as min_new_tokens: both ban eos until then, so every output has 12 tokens.
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12), use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    assert len({o.request_id for o in outs}) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt).input_ids
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        (completion,) = out.outputs
+        assert completion.token_ids == want[0, len(ids):].tolist(), prompt
+        assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+        assert (completion.index, completion.finish_reason, completion.stop_reason) == (0, "length", None)
+        assert out.finished and completion.finished() and completion.logprobs is None and out.prompt_logprobs is None
+
+
+def test_every_prompt_form_gives_the_same_greedy_output(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    (by_text,) = llm.generate(PROMPTS[0], GREEDY)  # one string; the bar is on by default
+    assert "Processed prompts" in capsys.readouterr().err
+    ids = by_text.prompt_token_ids
+    outs = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    (by_dict,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert outs[0].prompt == PROMPTS[0] and outs[1].prompt is None and by_dict.prompt is None
+    for out in [*outs, by_dict]:
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == by_text.outputs[0].token_ids
+    # A repeated prompt's full blocks (16 tokens each) come from the prefix cache.
+    long = {"prompt_token_ids": list(range(1000, 1040))}
+    first, second = (llm.generate(long, GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
+    with pytest.raises(ValueError, match="prompts\\[0\\]"):
+        llm.generate([{"text": "x"}], GREEDY, use_tqdm=False)
+
+
+def test_params_per_prompt(llm: LLM) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 given for 3 prompts"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+def test_n_samples_are_distinct_and_seeded(llm: LLM) -> None:
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    first, again = llm.generate([PROMPTS[0], PROMPTS[0]], params, use_tqdm=False)
+    assert [c.index for c in first.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in first.outputs)
+    assert first.outputs[0].token_ids != first.outputs[1].token_ids
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]  # same seed
+    (best,) = llm.generate(PROMPTS[0], SamplingParams(n=1, best_of=3, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
+    assert len(best.outputs) == 1 and len(best.outputs[0].token_ids) <= 4
+
+
+def test_logprobs_shape(llm: LLM) -> None:
+    (out,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2), use_tqdm=False)
+    (completion,) = out.outputs
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids) == 5
+    for token, position in zip(completion.token_ids, completion.logprobs):
+        assert token in position and len(position) == 3  # greedy: the chosen token is the best one
+        assert position[token].rank == 1 and position[token].decoded_token is not None
+        assert sorted(p.rank for p in position.values()) == [1, 2, 3]
+    assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs)), rel=1e-4)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None
+    for token, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert position is not None and token in position and 2 <= len(position) <= 3
+        assert all(math.isfinite(p.logprob) and p.logprob <= 0 for p in position.values())
+
+
+def test_chat_renders_the_models_template(llm: LLM, hf) -> None:  # type: ignore[no-untyped-def]
+    _, tok = hf
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False).input_ids
+    (same,) = llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY, use_tqdm=False)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    two = llm.chat([conversation, [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image"}]}], use_tqdm=False)
+
+
+def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
+    (free,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    text, tokens = free.outputs[0].text, free.outputs[0].token_ids
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.find(stop)
+    (stopped,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=stop), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == (text[:cut], "stop", stop)
+    (kept,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.outputs[0].text == text[: cut + len(stop)]
+    at = tokens.index(tokens[3])  # its first occurrence ends the output
+    (by_id,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]]), use_tqdm=False)
+    completion = by_id.outputs[0]
+    assert completion.token_ids == tokens[: at + 1]  # the stop token is returned, not shown
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", tokens[3])
+
+
+def test_invalid_input_is_a_value_error(llm: LLM, model_dir: Path) -> None:
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"n": 0}, {"max_tokens": 0}, {"stop": [""]},
+                {"min_tokens": 5, "max_tokens": 2}, {"presence_penalty": 3.0}, {"truncate_prompt_tokens": 0}):
+        with pytest.raises(ValueError, match=f"SamplingParams.{next(iter(bad))}"):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    # The engine's own checks, with the message a gRPC client would get.
+    with pytest.raises(ValueError, match="sampling.logprobs: at most 20"):
+        llm.generate(PROMPTS, SamplingParams(logprobs=50), use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": [1, 10**7]}], use_tqdm=False)
+    with pytest.raises(TypeError, match="bogus_option"):
+        LLM(str(model_dir), bogus_option=1)
+    with pytest.raises(ValueError, match="block_size: invalid int value"):
+        LLM(str(model_dir), block_size="big")
+    with pytest.raises(ValueError, match="attention_backend: invalid choice"):
+        LLM(str(model_dir), attention_backend="fast")
+    # A refused batch aborted whatever it had queued: the engine still serves.
+    (out,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=2), use_tqdm=False)
+    assert len(out.prompt_token_ids) == 2 and isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
+
+
+def test_close_and_finalizer_leave_no_process_and_no_directory(model_dir: Path) -> None:
+    before = _descendants()
+    with LLM(str(model_dir), **ENGINE) as llm:
+        pids, sockdir = llm.worker_pids, llm._engine.sockdir
+        assert pids and set(pids) <= _descendants() and os.path.isdir(sockdir)
+        assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    assert not any(psutil.pid_exists(p) for p in pids) and not os.path.exists(sockdir)
+    assert _descendants() <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hi", use_tqdm=False)
+    llm.close()  # again: nothing to do
+
+    forgotten = LLM(str(model_dir), **ENGINE)
+    pids, sockdir = forgotten.worker_pids, forgotten._engine.sockdir
+    del forgotten
+    gc.collect()
+    assert not any(psutil.pid_exists(p) for p in pids) and not os.path.exists(sockdir)
+    assert _descendants() <= before
+
+
+def test_a_worker_that_cannot_start_is_an_error_and_leaves_nothing(model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, broken / name)
+    before, dirs = _descendants(), set(Path(tempfile.gettempdir()).glob("llmserve-llm-*"))
+    with pytest.raises(RuntimeError, match="worker exited with code 2 before it was ready"):
+        LLM(str(broken), **ENGINE)
+    assert _descendants() <= before
+    assert set(Path(tempfile.gettempdir()).glob("llmserve-llm-*")) <= dirs
