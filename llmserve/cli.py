@@ -1,8 +1,9 @@
 """`llmserve`: the entry point (the only place that reads flags and environment).
 
-    llmserve up          scheduler + one worker on this machine (what `make run` starts)
+    llmserve up          scheduler + one worker on this machine, OpenAI HTTP in front (what `make run` starts)
     llmserve scheduler   the scheduler service alone, driving a worker at --worker
     llmserve worker      one worker service alone
+    llmserve gateway     the OpenAI HTTP API (smg) over one or more running schedulers
     llmserve generate    stream one generation from a running service to the terminal
     llmserve prepare-model   download and convert the default model into the cache
 """
@@ -19,6 +20,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +37,17 @@ from common.config import (
     TlsClientConfig,
     TlsConfig,
     WorkerConfig,
+)
+from common.ports import check_free
+from llmserve.gateway import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_METRICS_PORT,
+    POLICIES,
+    Gateway,
+    GatewayConfig,
+    KubernetesDiscovery,
+    dial_address,
+    smg_executable,
 )
 from llmserve.supervisor import Supervised, exit_with_parent
 
@@ -147,6 +160,17 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        help=f"port of the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models; default {DEFAULT_HTTP_PORT})",
+    )
+    p.add_argument(
+        "--http-metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help=f"Prometheus port of the HTTP gateway (smg_* metrics; default {DEFAULT_METRICS_PORT})",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="llmserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
@@ -162,6 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(up)
     _add_scheduler_flags(up)
     _add_worker_flags(up)
+    up.add_argument(
+        "--no-http", action="store_true",
+        help="serve gRPC only: do not start the OpenAI HTTP gateway (smg) in front of the scheduler",
+    )
+    _add_http_flags(up)
 
     sched = sub.add_parser("scheduler", help="run the scheduler service alone")
     _add_model_flags(sched)
@@ -229,6 +258,37 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
+
+    gw = sub.add_parser("gateway", help="run the OpenAI HTTP API (smg) over one or more running schedulers")
+    gw.add_argument(
+        "--scheduler", action="append", default=[], metavar="HOST:PORT",
+        help="a scheduler's gRPC address to route requests to; repeat it for several",
+    )
+    gw.add_argument("--host", default="127.0.0.1", help="address the HTTP API and its metrics listen on (default 127.0.0.1)")
+    _add_http_flags(gw)
+    gw.add_argument(
+        "--policy", choices=POLICIES, default="cache_aware",
+        help="how a request picks its scheduler; cache_aware (default) = the one whose prefix cache holds the "
+        "longest part of the prompt, unless it is much busier than the others",
+    )
+    gw.add_argument(
+        "--model-path", default=None, metavar="DIR",
+        help="model directory the gateway reads the tokenizer and chat template from (default: fetched from a scheduler)",
+    )
+    gw.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds in-flight HTTP requests get to finish (default 30)",
+    )
+    gw.add_argument(
+        "--k8s-selector", action="append", default=[], metavar="KEY=VALUE",
+        help="instead of --scheduler: route to the Kubernetes pods that carry this label (repeat: all must match), "
+        "found and followed with the Kubernetes API (needs list/watch on pods)",
+    )
+    gw.add_argument("--k8s-port", type=int, default=50051, help="gRPC port of the discovered scheduler pods (default 50051)")
+    gw.add_argument(
+        "--k8s-namespace", default=None,
+        help="namespace to watch for scheduler pods (default: every namespace, which needs cluster-wide permissions)",
+    )
 
     sub.add_parser("prepare-model", help="download and convert the default model (once)")
     return root
@@ -463,6 +523,70 @@ def _registrar(a: argparse.Namespace, model: str) -> Any:
     )
 
 
+def _log_json() -> bool:
+    """JSON logs unless stderr is a terminal; LLMSERVE_LOG_JSON=1|0 forces one."""
+    forced = os.environ.get("LLMSERVE_LOG_JSON")
+    return forced == "1" if forced in ("0", "1") else not sys.stderr.isatty()
+
+
+def _check_gateway_ports(config: GatewayConfig) -> None:
+    """Both of the gateway's ports free, before anything starts (PortUnavailable: exit 2)."""
+    check_free(f"{config.host}:{config.port}", "--http-port")
+    check_free(f"{config.host}:{config.metrics_port}", "--http-metrics-port")
+
+
+def _up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
+    """The gateway `up` runs in front of its scheduler, validated; None with --no-http. Its
+    scheduler address is filled in once the port is bound (--port 0 picks one)."""
+    if a.no_http:
+        return None
+    if a.tls_cert is not None:
+        raise ValueError("--tls-cert: the HTTP gateway dials the scheduler in plaintext and cannot reach a TLS port; add --no-http")
+    taken = {a.port: "--port", **({a.metrics_port: "--metrics-port"} if a.metrics_port else {})}
+    for flag, port in (("--http-port", a.http_port), ("--http-metrics-port", a.http_metrics_port)):
+        if port in taken:
+            raise ValueError(f"{flag} {port} is also {taken[port]}: give each its own port")
+    return GatewayConfig(
+        schedulers=(dial_address(a.host, a.port or 1),), host=a.host, port=a.http_port,
+        metrics_port=a.http_metrics_port, shutdown_grace=a.drain_timeout, log_level=a.log_level, log_json=_log_json(),
+    )
+
+
+def _gateway_config(a: argparse.Namespace) -> GatewayConfig:
+    """`llmserve gateway`: its schedulers, listed or discovered."""
+    discovery = None
+    if a.k8s_selector:
+        if a.scheduler:
+            raise ValueError("--scheduler and --k8s-selector exclude each other: list the schedulers or discover them")
+        discovery = KubernetesDiscovery(tuple(a.k8s_selector), a.k8s_port, a.k8s_namespace)
+    elif not a.scheduler:
+        raise ValueError("llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE")
+    return GatewayConfig(
+        schedulers=tuple(a.scheduler), discovery=discovery, host=a.host, port=a.http_port,
+        metrics_port=a.http_metrics_port, policy=a.policy, model_path=a.model_path, shutdown_grace=a.drain_timeout,
+        log_level=a.log_level, log_json=_log_json(),
+    )
+
+
+def cmd_gateway(a: argparse.Namespace) -> None:
+    config = _gateway_config(a)
+    executable = smg_executable()
+    _check_gateway_ports(config)
+
+    async def body(stop: asyncio.Event) -> None:
+        gateway = Gateway(config, executable)
+        gateway.start()
+        try:
+            while not stop.is_set():
+                gateway.restart_if_dead()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        finally:
+            await asyncio.to_thread(gateway.stop)
+
+    _run_until_signal(body)
+
+
 def cmd_up(a: argparse.Namespace) -> None:
     from scheduler_svc.server import SchedulerServer
 
@@ -472,6 +596,11 @@ def cmd_up(a: argparse.Namespace) -> None:
     _check_tp(model, a.tp)
     if a.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {a.workers}")
+    gateway_config = _up_gateway_config(a)
+    smg = None
+    if gateway_config is not None:
+        smg = smg_executable()
+        _check_gateway_ports(gateway_config)
     sockdir = tempfile.mkdtemp(prefix="llmserve-")
     commands, addresses = [], []
     for i in range(a.workers):
@@ -491,15 +620,29 @@ def cmd_up(a: argparse.Namespace) -> None:
         for worker in workers:
             worker.start()
         server = SchedulerServer(model, addresses, server_config, _scheduler_config(a))
-        await server.start()
+        port = await server.start()
+        gateway: Gateway | None = None
         try:
             while not stop.is_set():
                 for worker in workers:
                     worker.restart_if_dead()
+                if gateway is not None:
+                    gateway.restart_if_dead()
+                elif gateway_config is not None and server.engine.ready:
+                    # Once requests can be answered. Started earlier, smg would report itself
+                    # ready at once (it counts a registered scheduler as healthy until health
+                    # checks fail) and answer requests with the scheduler's UNAVAILABLE.
+                    gateway = Gateway(replace(gateway_config, schedulers=(dial_address(a.host, port),)), smg)
+                    gateway.start()
+                waiting_for_ready = gateway is None and gateway_config is not None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.wait_for(stop.wait(), 0.2 if waiting_for_ready else 1.0)
         finally:
             log.info("shutting_down")
+            if gateway is not None:
+                # First, and in a thread: smg drains its HTTP requests through the scheduler,
+                # which this event loop keeps serving meanwhile.
+                await asyncio.to_thread(gateway.stop)
             await server.stop()
             for worker in workers:
                 worker.stop()
@@ -565,14 +708,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "scheduler": cmd_scheduler,
     "worker": cmd_worker,
     "generate": cmd_generate,
+    "gateway": cmd_gateway,
     "prepare-model": cmd_prepare_model,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    forced = os.environ.get("LLMSERVE_LOG_JSON")
-    logsetup.configure(args.log_level, json=forced == "1" if forced in ("0", "1") else None)
+    logsetup.configure(args.log_level, json=_log_json())
     # A crash in native code (a kernel, gRPC, torch) then leaves the Python stack of every
     # thread on stderr instead of a bare exit status.
     faulthandler.enable()

@@ -1,0 +1,187 @@
+"""The OpenAI HTTP API: smg, the Shepherd Model Gateway, run as a supervised child process.
+
+smg (a Rust binary in the `smg` wheel) answers `/v1/completions`, `/v1/chat/completions`
+and `/v1/models` over HTTP and speaks `vllm.grpc.engine.VllmEngine` to the schedulers behind
+it: it tokenizes, renders the chat template and detokenizes itself, routes each request
+(cache-aware by default, from the prefix-cache events the schedulers stream) and polls their
+load. `llmserve up` starts one in front of its own scheduler; `llmserve gateway` runs one over
+several schedulers, listed or found as Kubernetes pods.
+
+    llmserve ──(Supervised)──► smg launch --backend vllm --worker-urls grpc://SCHEDULER ...
+                                  │ HTTP  :8000  /v1/*, /health, /liveness, /readiness
+                                  │ HTTP  :9092  /metrics (smg_*)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from llmserve.supervisor import Supervised, bound_to_this_process
+
+log = structlog.get_logger("llmserve")
+
+# smg's routing policies that need nothing but the schedulers (no PD disaggregation, no manual keys).
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing", "prefix_hash")
+DEFAULT_HTTP_PORT = 8000
+# Next to the scheduler's (9090) and the worker's (9091) in compose.yaml and Kubernetes;
+# smg's own default, 29000, would collide between two gateways on one machine just the same.
+DEFAULT_METRICS_PORT = 9092
+# Our level names -> smg's.
+_SMG_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+
+
+class GatewayUnavailable(ValueError):
+    """The smg executable is not installed (exit 2, like any configuration mistake)."""
+
+
+@dataclass(frozen=True)
+class KubernetesDiscovery:
+    """Schedulers found as the pods that carry these labels, dialed on `port`."""
+
+    selector: tuple[str, ...]  # KEY=VALUE labels, all of which a pod must carry
+    port: int = 50051
+    namespace: str | None = None  # None: every namespace (needs a ClusterRole)
+
+    def __post_init__(self) -> None:
+        if not self.selector:
+            raise ValueError("Kubernetes discovery needs at least one KEY=VALUE label")
+        for label in self.selector:
+            key, sep, _ = label.partition("=")
+            if not sep or not key:
+                raise ValueError(f"selector label {label!r} is not KEY=VALUE")
+        _check_port(self.port, "--k8s-port")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """One smg: where it listens, and the schedulers (host:port) or the pods it routes to."""
+
+    schedulers: tuple[str, ...] = ()
+    discovery: KubernetesDiscovery | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_HTTP_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    policy: str = "cache_aware"
+    model_path: str | None = None  # tokenizer source; None: fetched from a scheduler (GetTokenizer)
+    shutdown_grace: float = 30.0  # seconds in-flight HTTP requests get on SIGTERM
+    log_level: str = "info"
+    log_json: bool = False
+
+    def __post_init__(self) -> None:
+        if bool(self.schedulers) == (self.discovery is not None):
+            raise ValueError("the gateway needs schedulers (--scheduler HOST:PORT) or Kubernetes discovery, not both")
+        for address in self.schedulers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--scheduler {address!r} is not HOST:PORT")
+            _check_port(int(port), "--scheduler")
+        _check_port(self.port, "--http-port")
+        _check_port(self.metrics_port, "--http-metrics-port")
+        if self.port == self.metrics_port:
+            raise ValueError(f"--http-port and --http-metrics-port are both {self.port}: give them different ports")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"the gateway's drain timeout must be >= 0, got {self.shutdown_grace}")
+        if self.log_level not in _SMG_LOG_LEVELS:
+            raise ValueError(f"log level {self.log_level!r}: choose one of {', '.join(_SMG_LOG_LEVELS)}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+
+def _check_port(port: int, flag: str) -> None:
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{flag} {port} is not a TCP port (1-65535)")
+
+
+def _url_host(host: str) -> str:
+    """A host as it goes into a URL: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def dial_address(host: str, port: int) -> str:
+    """host:port that reaches a server listening on `host` from this machine (a wildcard
+    listens on loopback too)."""
+    bare = host.strip("[]")
+    if bare in ("", "0.0.0.0"):
+        bare = "127.0.0.1"
+    elif bare == "::":
+        bare = "::1"
+    return f"{_url_host(bare)}:{port}"
+
+
+def smg_executable(beside: Path | None = None, path: str | None = None) -> str:
+    """The smg executable: next to this interpreter (the virtual environment's bin/, where pip
+    put it), else on PATH."""
+    here = (beside if beside is not None else Path(sys.executable).parent) / "smg"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    found = shutil.which("smg", path=path)
+    if found is None:
+        raise GatewayUnavailable(
+            f"the gateway needs the smg executable, found neither in {here.parent} nor on PATH: "
+            "`pip install smg==1.13.0` (a dependency of llmserve), or run without HTTP (`llmserve up --no-http`)"
+        )
+    return found
+
+
+def smg_command(config: GatewayConfig, executable: str) -> list[str]:
+    """The `smg launch` command line for `config`. The metrics listener is always named: smg
+    would otherwise open 0.0.0.0:29000, on every interface and the same port for every gateway."""
+    cmd = [
+        executable, "launch", "--backend", "vllm",
+        "--host", config.host, "--port", str(config.port),
+        "--prometheus-host", config.host, "--prometheus-port", str(config.metrics_port),
+        "--policy", config.policy,
+        "--shutdown-grace-period-secs", str(math.ceil(config.shutdown_grace)),
+        "--log-level", _SMG_LOG_LEVELS[config.log_level],
+    ]
+    if config.log_json:
+        cmd.append("--log-json")
+    if config.model_path:
+        cmd += ["--model-path", config.model_path]
+    if config.discovery is None:
+        cmd += ["--worker-urls", *(f"grpc://{address}" for address in config.schedulers)]
+    else:
+        d = config.discovery
+        cmd += ["--service-discovery", "--selector", *d.selector, "--service-discovery-port", str(d.port)]
+        if d.namespace:
+            cmd += ["--service-discovery-namespace", d.namespace]
+    return cmd
+
+
+class Gateway:
+    """smg as a child process: started, restarted if it dies, stopped (draining) before the
+    schedulers it routes to. It gets SIGTERM if we die, and a session of its own so that a
+    terminal's Ctrl-C reaches only us: we stop it first."""
+
+    def __init__(self, config: GatewayConfig, executable: str | None = None) -> None:
+        self.config = config
+        self.command = smg_command(config, executable or smg_executable())
+        self.process = Supervised(bound_to_this_process(self.command), name="gateway", own_session=True)
+
+    def start(self) -> None:
+        cfg = self.config
+        log.info(
+            "gateway_starting", openai=f"{cfg.url}/v1", metrics=f"http://{_url_host(cfg.host)}:{cfg.metrics_port}/metrics",
+            schedulers=list(cfg.schedulers) or None,
+            discovery=" ".join(cfg.discovery.selector) if cfg.discovery else None, policy=cfg.policy,
+        )
+        self.process.start()
+
+    def restart_if_dead(self) -> None:
+        self.process.restart_if_dead()
+
+    def stop(self) -> None:
+        """Blocks until smg has drained (its grace period) or is killed: call it in a thread
+        while the scheduler it drains through keeps serving."""
+        self.process.stop(timeout=self.config.shutdown_grace + 10.0)
