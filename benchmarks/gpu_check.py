@@ -304,7 +304,7 @@ def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> 
             port = s.getsockname()[1]
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", model_dir,
-               "--port", str(port), "--tp", str(tp), "--device", device.type, "--dtype", dtype]
+               "--port", str(port), "--tp", str(tp), "--device", device.type, "--dtype", dtype, "--no-http"]
         if device.type == "cpu":
             cmd += ["--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT)

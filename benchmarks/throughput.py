@@ -377,7 +377,7 @@ async def _serve_and_drive(address: str, server: _Server, workload: Workload, me
 def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
     port, metrics_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "llmserve.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir),
-           "--metrics-port", str(metrics_port)]
+           "--metrics-port", str(metrics_port), "--no-http"]  # gRPC only: no gateway process in the measurement
     if args.profile_steps:
         cmd += ["--profile-steps"]
     if args.max_num_seqs is not None:

@@ -62,7 +62,8 @@ class Up:
         self.port, self.metrics_port = free_port(), free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", str(model_dir),
-             "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra],
+             "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--no-http", *extra],  # gRPC only (tests/test_gateway.py has the HTTP side); two run at once here
             cwd=REPO,
         )
         self.address = f"127.0.0.1:{self.port}"
