@@ -6,7 +6,8 @@
 # scheduler: CPU only. The scheduler service imports no torch, triton, transformers or
 #   safetensors (a test enforces the torch part), so this image installs the project's
 #   dependencies without them and the project itself with --no-deps: a few hundred MB
-#   instead of several GB.
+#   instead of several GB. It also runs the OpenAI HTTP gateway (`llmserve gateway`: smg,
+#   a main dependency).
 # worker: everything, plus the `prepare` extra so that it can also run
 #   `llmserve prepare-model` (compose's model-prep service, the Kubernetes init containers).
 #   torch comes from the default index, whose Linux x86_64 wheels are CUDA builds that
@@ -48,7 +49,8 @@ COPY kernels/ kernels/
 RUN pip install --no-deps . && rm -rf build
 USER llmserve
 WORKDIR /home/llmserve
-EXPOSE 50051 9090
+# The scheduler (gRPC, metrics); `llmserve gateway` from the same image (HTTP, metrics).
+EXPOSE 50051 9090 8000 9092
 ENTRYPOINT ["llmserve"]
 CMD ["scheduler", "--host", "0.0.0.0", "--port", "50051"]
 

@@ -24,6 +24,9 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from llmserve import cli
+from llmserve.gateway import GatewayConfig, smg_command
+
 REPO = Path(__file__).resolve().parent.parent
 K8S_DIR = REPO / "deploy" / "kubernetes"
 
@@ -66,8 +69,8 @@ def service_port(name: str) -> int:
 # ---- compose.yaml as data ----
 
 
-def test_compose_has_the_scheduler_two_gpu_workers_and_a_cpu_profile() -> None:
-    assert set(SERVICES) == {"model-prep", "scheduler", *WORKERS}
+def test_compose_has_the_scheduler_two_gpu_workers_a_gateway_and_a_cpu_profile() -> None:
+    assert set(SERVICES) == {"model-prep", "scheduler", "gateway", *WORKERS}
     assert SERVICES["worker-cpu"]["profiles"] == ["cpu"]
     # Everything else starts with a plain `docker compose up`: the GPU setup is the default.
     assert [name for name, svc in SERVICES.items() if "profiles" in svc] == ["worker-cpu"]
@@ -136,8 +139,93 @@ def test_images_are_the_dockerfiles_targets() -> None:
     stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (REPO / "Dockerfile").read_text(), flags=re.MULTILINE)
     assert {"scheduler", "worker"} <= set(stages)
     assert SERVICES["scheduler"]["build"]["target"] == "scheduler"
+    # The gateway runs `llmserve gateway` from the scheduler image, which has smg.
+    assert SERVICES["gateway"]["build"]["target"] == "scheduler"
+    assert SERVICES["gateway"]["image"] == SERVICES["scheduler"]["image"]
     for name in ("model-prep", *WORKERS):
         assert SERVICES[name]["build"]["target"] == "worker", name
+
+
+def _gateway_config(args: list[str]) -> GatewayConfig:
+    """What `llmserve gateway` makes of a deployment's arguments: parsed and validated by the CLI itself."""
+    parsed = cli._parser().parse_args(args)  # noqa: SLF001
+    assert parsed.command == "gateway"
+    return cli._gateway_config(parsed)  # noqa: SLF001
+
+
+def _published(service: dict[str, Any]) -> dict[int, str]:
+    """Container port -> the "[host:]port" compose publishes it on."""
+    return {int(p.rsplit(":", 1)[1]): p.rsplit(":", 1)[0] for p in service["ports"]}
+
+
+def test_compose_gateway_serves_http_in_front_of_the_scheduler() -> None:
+    gateway = SERVICES["gateway"]
+    config = _gateway_config(gateway["command"])
+    assert config.schedulers == (f"scheduler:{service_port('scheduler')}",)
+    assert config.discovery is None and config.policy == "cache_aware"
+    # Listening on every interface of its container, or the published ports reach nothing.
+    assert config.host == "0.0.0.0"
+    published = _published(gateway)
+    assert published[config.port] == "${LLMSERVE_HTTP_PORT:-8000}"
+    # Metrics on loopback only, like the scheduler's.
+    assert published[config.metrics_port] == "127.0.0.1:${LLMSERVE_HTTP_METRICS_PORT:-9092}"
+    assert config.metrics_port not in {int(p.rsplit(":", 1)[1]) for p in SERVICES["scheduler"]["ports"]}
+    # Started, not healthy: a scheduler that waits long for a worker turns unhealthy, and
+    # compose would then never start the gateway.
+    assert gateway["depends_on"] == {"scheduler": {"condition": "service_started"}}
+    # It fetches the tokenizer from the scheduler (GetTokenizer): no model volume.
+    assert "volumes" not in gateway
+    # smg keeps listening 5 s after SIGTERM, then drains for --drain-timeout.
+    grace = int(gateway["stop_grace_period"].removesuffix("s"))
+    assert grace > 5 + config.shutdown_grace
+    assert smg_command(config, "smg")[smg_command(config, "smg").index("--worker-urls") + 1] == "grpc://scheduler:50051"
+
+
+def test_the_scheduler_image_has_the_gateway() -> None:
+    installed = requirements_tool.requirements(REPO / "pyproject.toml", [], _scheduler_image_exclusions())
+    assert "smg" in {requirements_tool.requirement_name(r) for r in installed}
+
+
+class _Readiness:
+    """An HTTP server whose /readiness answers `status`."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                code = owner.status if self.path == "/readiness" else 404
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.status = 200
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_compose_gateway_health_check_passes_only_when_ready() -> None:
+    test = SERVICES["gateway"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    config = _gateway_config(SERVICES["gateway"]["command"])
+    own = f"http://127.0.0.1:{config.port}/readiness"
+    assert own in test[3]
+    fake = _Readiness()
+    try:
+        probe = test[3].replace(own, f"http://127.0.0.1:{fake.port}/readiness")
+        for status, exit_code in ((200, 0), (503, 1)):
+            fake.status = status
+            done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+            assert done.returncode == exit_code, (status, done.stderr)
+    finally:
+        fake.server.shutdown()
 
 
 # ---- health checks: the one-liners run against a real health server ----
@@ -190,9 +278,9 @@ def test_docker_compose_config_accepts_the_file(profiles: tuple[str, ...]) -> No
 @needs_compose
 def test_docker_compose_starts_the_gpu_workers_by_default_and_the_cpu_worker_with_its_profile() -> None:
     default = compose_check.run_compose(["config", "--services"]).split()
-    assert sorted(default) == ["model-prep", "scheduler", "worker-0", "worker-1"]
+    assert sorted(default) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1"]
     cpu = compose_check.run_compose(["config", "--services"], profiles=("cpu",)).split()
-    assert sorted(cpu) == ["model-prep", "scheduler", "worker-0", "worker-1", "worker-cpu"]
+    assert sorted(cpu) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1", "worker-cpu"]
 
 
 @needs_compose
@@ -210,6 +298,7 @@ def test_docker_compose_resolves_anchors_and_the_model_variable(monkeypatch: pyt
     for name in WORKERS:
         assert services[name]["depends_on"]["scheduler"]["condition"] == "service_started", name
     assert services["model-prep"]["environment"]["MODEL_DIR"] == "/cache/models/Other-Model"
+    assert "/readiness" in " ".join(services["gateway"]["healthcheck"]["test"])
 
 
 @needs_compose
@@ -417,6 +506,60 @@ def test_k8s_pods_prepare_the_same_model_into_their_model_volume() -> None:
         assert model == f"{cache}/models/SmolLM2-135M-Instruct", key
         models.add(model)
     assert len(models) == 1  # the scheduler refuses a worker whose model differs
+
+
+def test_k8s_gateway_discovers_the_scheduler_pods_on_their_grpc_port() -> None:
+    deployment = K8S[("Deployment", "llmserve-gateway")]
+    gateway = _container(deployment, "gateway")
+    config = _gateway_config(gateway["args"])
+    assert config.discovery is not None and not config.schedulers
+    scheduler_deployment = K8S[("Deployment", "llmserve-scheduler")]
+    scheduler_labels = _pod_selected(scheduler_deployment)
+    selector = dict(label.split("=", 1) for label in config.discovery.selector)
+    # Exactly the scheduler pods: their labels match, the gateway's and the workers' do not.
+    assert selector.items() <= scheduler_labels.items()
+    for other in (deployment, K8S[("StatefulSet", "llmserve-worker")]):
+        assert not selector.items() <= _pod_selected(other).items()
+    assert config.discovery.port == int(flag(_container(scheduler_deployment, "scheduler")["args"], "--port"))
+    # Its own namespace, from the downward API: the Role below covers that one only.
+    assert config.discovery.namespace == "$(POD_NAMESPACE)"
+    (namespace,) = [e for e in gateway["env"] if e["name"] == "POD_NAMESPACE"]
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    command = smg_command(config, "smg")
+    assert "--service-discovery" in command and "--worker-urls" not in command
+    assert config.host == "0.0.0.0"
+
+
+def test_k8s_gateway_may_list_and_watch_pods_and_nothing_else() -> None:
+    pod = K8S[("Deployment", "llmserve-gateway")]["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert ("ServiceAccount", account) in K8S
+    binding = K8S[("RoleBinding", "llmserve-gateway")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "default"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llmserve-gateway"}
+    (rule,) = K8S[("Role", "llmserve-gateway")]["rules"]
+    assert rule["apiGroups"] == [""] and rule["resources"] == ["pods"]
+    assert set(rule["verbs"]) == {"get", "list", "watch"}
+    assert not [key for key in K8S if key[0] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def test_k8s_gateway_is_probed_over_http_behind_a_service_on_8000() -> None:
+    deployment = K8S[("Deployment", "llmserve-gateway")]
+    gateway = _container(deployment, "gateway")
+    config = _gateway_config(gateway["args"])
+    assert config.port == 8000
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": config.port}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": config.port}
+    assert _container_port(gateway, config.port) == config.port
+    assert _container_port(gateway, config.metrics_port) == config.metrics_port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(config.metrics_port)
+    service = K8S[("Service", "llmserve-gateway")]
+    assert service["spec"]["selector"].items() <= _pod_selected(deployment).items()
+    (http_port,) = [p for p in service["spec"]["ports"] if p["port"] == 8000]
+    assert _container_port(gateway, http_port["targetPort"]) == config.port
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] > 5 + config.shutdown_grace
 
 
 def test_k8s_kustomization_lists_every_manifest() -> None:
