@@ -26,12 +26,14 @@ class CacheConfig:
     block_size: int = 16
     # Overrides the profiled number of KV blocks (GPU) or the size derived from kv_cache_gb (CPU).
     num_gpu_blocks: int | None = None
-    # Memory the KV pool may take. None: 2 GiB on CPU; on CUDA, what is left of
-    # gpu_memory_utilization of the device after the weights and a profiling forward pass.
+    # Memory the KV pool may take. None: on CPU, 2 GiB or 30% of the available memory if
+    # less; on CUDA, what is left of gpu_memory_utilization of the device after the weights
+    # and the heaviest step's peak (worker_svc/host_memory.py, runner.py).
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
-    # Host memory for the swap pool of preempted sequences (pinned on CUDA).
-    swap_space_gb: float = 4.0
+    # Host memory for the swap pool of preempted sequences (pinned on CUDA). None: 4 GiB with
+    # CUDA, 1 GiB on CPU, or 10% of the available memory if less.
+    swap_space_gb: float | None = None
     # Overrides the swap pool size derived from swap_space_gb (tests use a few blocks).
     num_cpu_blocks: int | None = None
 
@@ -40,7 +42,7 @@ class CacheConfig:
         _require(self.num_gpu_blocks is None or self.num_gpu_blocks > 0, "num_gpu_blocks must be positive")
         _require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb must be positive")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must lie in (0, 1]")
-        _require(self.swap_space_gb >= 0, "swap_space_gb must not be negative")
+        _require(self.swap_space_gb is None or self.swap_space_gb >= 0, "swap_space_gb must not be negative")
         _require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative")
 
 

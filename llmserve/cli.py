@@ -130,14 +130,16 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="memory the KV pool may take (CPU default 2)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="memory the KV pool may take (CPU default: 2, or 30%% of the available memory if less)")
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9,
         help="on CUDA, the share of the device's memory weights, the heaviest step and the KV pool may take (default 0.9)",
     )
     p.add_argument(
-        "--swap-space-gb", type=float, default=4.0,
-        help="pinned host memory that holds preempted sequences' KV blocks (default 4; 0 = no swapping)",
+        "--swap-space-gb", type=float, default=None,
+        help="host memory (pinned on CUDA) that holds preempted sequences' KV blocks (default: 4 with CUDA, "
+             "1 on CPU, or 10%% of the available memory if less; 0 = no swapping)",
     )
     p.add_argument("--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)")
     p.add_argument(
@@ -433,10 +435,11 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
         "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
         "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
         "--max-num-seqs", str(a.max_num_seqs),
-        "--swap-space-gb", str(a.swap_space_gb), "--dist-timeout", str(a.dist_timeout),
+        "--dist-timeout", str(a.dist_timeout),
         "--gpu-memory-utilization", str(a.gpu_memory_utilization),
     ]
     for flag, value in (("--num-gpu-blocks", a.num_gpu_blocks), ("--kv-cache-gb", a.kv_cache_gb),
+                        ("--swap-space-gb", a.swap_space_gb),
                         ("--num-cpu-blocks", a.num_cpu_blocks)):
         if value is not None:
             cmd += [flag, str(value)]

@@ -320,3 +320,25 @@ def test_worker_info_carries_block_bytes() -> None:
     info = WorkerInfo("m", 200, 64, "float32", "cpu", 0, 1, 8, 16, 8, block_bytes=2048)
     msg = worker_pb.WorkerInfo.FromString(worker_wire.worker_info(info).SerializeToString())
     assert scheduler_wire.worker_info(msg) == info
+
+
+def test_default_pools_are_sized_from_the_available_memory(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --kv-cache-gb or --swap-space-gb: on a CPU worker the KV pool takes 2 GiB or 30% of
+    the available memory if less, the swap pool 1 GiB or 10%."""
+    from worker_svc import host_memory
+
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000 * block_bytes)
+    small = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
+                                     cache=CacheConfig(block_size=BLOCK)))
+    assert (small.kv.num_blocks, small.kv.num_cpu_blocks) == (300, 100)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * GIB)
+    assert host_memory.default_cpu_kv_bytes(host_memory.available_bytes()) == 2 * GIB
+    assert host_memory.default_swap_bytes("cpu", host_memory.available_bytes()) == 1 * GIB
+    assert host_memory.default_swap_bytes("cuda", host_memory.available_bytes()) == 4 * GIB
+
+
+def test_available_memory_is_read_from_the_machine() -> None:
+    from worker_svc import host_memory
+
+    assert 0 < host_memory.available_bytes() < 1 << 50

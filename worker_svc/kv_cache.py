@@ -21,7 +21,6 @@ from common.plan import I32
 from worker_svc.model import ModelShape
 
 GIB = 1024**3
-DEFAULT_CPU_KV_GB = 2.0
 
 
 def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

@@ -21,7 +21,7 @@ from common.config import WorkerConfig
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.limits import max_tokens_per_step
-from worker_svc import kv_cache
+from worker_svc import host_memory, kv_cache
 from worker_svc.host_allocator import keep_freed_memory
 from worker_svc.host_copy import to_host
 from worker_svc.kv_cache import KVCache
@@ -175,8 +175,10 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        if cache.kv_cache_gb is not None or not self._profiles_memory():
-            budget = (cache.kv_cache_gb or kv_cache.DEFAULT_CPU_KV_GB) * kv_cache.GIB
+        if cache.kv_cache_gb is not None:
+            budget = cache.kv_cache_gb * kv_cache.GIB
+        elif not self._profiles_memory():
+            budget = host_memory.default_cpu_kv_bytes(host_memory.available_bytes())
         else:
             budget = self._profile_cuda_budget()
         return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
@@ -186,7 +188,11 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_cpu_blocks is not None:
             return cache.num_cpu_blocks
-        return kv_cache.blocks_in(cache.swap_space_gb * kv_cache.GIB, self.shape, self.block_size, self.dtype)
+        if cache.swap_space_gb is not None:
+            budget = cache.swap_space_gb * kv_cache.GIB
+        else:
+            budget = host_memory.default_swap_bytes(self.device.type, host_memory.available_bytes())
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
 
     def _profiles_memory(self) -> bool:
         return self.device.type == "cuda"
