@@ -604,6 +604,10 @@ def cmd_up(a: argparse.Namespace) -> None:
     if gateway_config is not None:
         smg = smg_executable()
         _check_gateway_ports(gateway_config)
+    # The scheduler's ports too, before a worker starts loading (PortUnavailable: exit 2).
+    check_free(f"{a.host}:{a.port}", "--port")
+    if a.metrics_port:
+        check_free(f"{a.host}:{a.metrics_port}", "--metrics-port")
     sockdir = tempfile.mkdtemp(prefix="llmserve-")
     commands, addresses = [], []
     for i in range(a.workers):
@@ -619,13 +623,18 @@ def cmd_up(a: argparse.Namespace) -> None:
     # but our own scheduler dials it, so TLS there would cost handshakes and guard nothing.
 
     async def body(stop: asyncio.Event) -> None:
-        workers = [Supervised(cmd, env=_gpu_share(i, a.tp, a.workers)) for i, cmd in enumerate(commands)]
-        for worker in workers:
-            worker.start()
-        server = SchedulerServer(model, addresses, server_config, _scheduler_config(a))
-        port = await server.start()
+        # Workers in sessions of their own: Ctrl-C in a terminal signals the whole foreground
+        # process group, and a worker that stopped on it would be lost under a running step;
+        # only `up` gets it, and drains like on SIGTERM.
+        workers = [Supervised(cmd, env=_gpu_share(i, a.tp, a.workers), own_session=True) for i, cmd in enumerate(commands)]
+        server: SchedulerServer | None = None
         gateway: Gateway | None = None
         try:
+            for worker in workers:
+                worker.start()
+            starting = SchedulerServer(model, addresses, server_config, _scheduler_config(a))
+            port = await starting.start()
+            server = starting
             while not stop.is_set():
                 for worker in workers:
                     worker.restart_if_dead()
@@ -646,7 +655,8 @@ def cmd_up(a: argparse.Namespace) -> None:
                 # First, and in a thread: smg drains its HTTP requests through the scheduler,
                 # which this event loop keeps serving meanwhile.
                 await asyncio.to_thread(gateway.stop)
-            await server.stop()
+            if server is not None:
+                await server.stop()
             for worker in workers:
                 worker.stop()
             shutil.rmtree(sockdir, ignore_errors=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -43,16 +42,6 @@ T = TypeVar("T")
 
 # A worker loads its model (and, on CPU, builds its kernels the first time) before it answers.
 READY_TIMEOUT_S = 600.0
-
-
-class _Worker(Supervised):
-    """A worker in a session of its own: Ctrl-C in a terminal (SIGINT to the whole foreground
-    process group) then interrupts the caller's `generate`, and the worker, which would stop on
-    it, keeps serving the next call. It still ends with us (PR_SET_PDEATHSIG, and `close`)."""
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
-        log.info("worker_started", pid=self.proc.pid)
 
 
 class LocalEngine:
@@ -101,7 +90,9 @@ class LocalEngine:
         for i in range(a.workers):
             address = f"unix://{self.sockdir}/worker-{i}.sock"
             cmd = [*cli._worker_args(a, args.model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
-            worker = _Worker(cmd, env=cli._gpu_share(i, a.tp, a.workers))
+            # A session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
+            # interrupts the caller's generate, not the worker, which keeps serving the next call.
+            worker = Supervised(cmd, env=cli._gpu_share(i, a.tp, a.workers), own_session=True)
             worker.start()
             self.workers.append(worker)
             ranks = rank_addresses(address, a.tp)
