@@ -173,9 +173,47 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+DESCRIPTION = """llmserve: an LLM inference engine, a scheduler and GPU/CPU workers over gRPC, with
+an OpenAI HTTP API in front (the smg gateway).
+
+    llmserve up              serve a model on this machine: scheduler, worker(s), HTTP (make run)
+    llmserve scheduler       the scheduler service alone, driving workers at --worker
+    llmserve worker          one worker service alone (--scheduler: register with one)
+    llmserve gateway         the OpenAI HTTP API over one or more running schedulers
+    llmserve generate        stream one generation from a running service to the terminal
+    llmserve prepare-model   download and convert the default model into the cache
+
+`llmserve COMMAND --help` lists a command's options.
+"""
+
+
+def _at_least(low: float, kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: argparse then names the flag when a value is out of range."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse prints for a value that does not parse
+    return parse
+
+
+def _at_most_one(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="llmserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    root.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
+    root = argparse.ArgumentParser(prog="llmserve", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root.add_argument(
+        "--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"],
+        help="least severe log lines shown (default info, or LLMSERVE_LOG_LEVEL); JSON when stderr is not a "
+        "terminal, or as LLMSERVE_LOG_JSON=1/0 says",
+    )
     sub = root.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run the scheduler and its workers locally")
@@ -250,16 +288,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(worker)
     _add_worker_flags(worker)
 
-    gen = sub.add_parser("generate", help="stream one generation from a running service")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default="127.0.0.1:50051")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen = sub.add_parser(
+        "generate", help="stream one generation from a running service",
+        description="Stream one generation from a running llmserve (llmserve.v1.Generation) to the terminal; "
+        "the text goes to stdout, token counts and the finish reason to stderr.",
+    )
+    gen.add_argument("prompt", help="the prompt text; with --chat, the user's message")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the scheduler's gRPC address (default 127.0.0.1:50051)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
+    gen.add_argument("--system", default=None, help="with --chat: a system message before the user's")
+    gen.add_argument("--max-tokens", type=_at_least(0, int), default=128,
+                     help="tokens to generate at most (default 128; 0 = up to the end of the context)")
+    gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0 (default) = greedy")
+    gen.add_argument("--top-p", type=_at_most_one, default=0.0, help="nucleus sampling mass in (0, 1]; 0 (default) = off")
+    gen.add_argument("--top-k", type=_at_least(0, int), default=0, help="sample among the k likeliest tokens; 0 (default) = off")
+    gen.add_argument("--seed", type=_at_least(0, int), default=None, help="makes sampling repeatable")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text; repeat for several")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
     gw = sub.add_parser("gateway", help="run the OpenAI HTTP API (smg) over one or more running schedulers")
     gw.add_argument(
@@ -686,14 +731,21 @@ def cmd_generate(a: argparse.Namespace) -> None:
     from common.pb.llmserve.v1 import generation_pb2 as pb
     from common.pb.llmserve.v1 import generation_pb2_grpc
 
+    if a.system is not None and not a.chat:
+        raise ValueError("--system needs --chat")
     sampling = pb.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.seed is not None:
         sampling.seed = a.seed
     request = pb.GenerateRequest(
-        prompt=a.prompt,
         sampling=sampling,
         stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos),
     )
+    if a.chat:
+        if a.system is not None:
+            request.messages.add(role="system", content=a.system)
+        request.messages.add(role="user", content=a.prompt)
+    else:
+        request.prompt = a.prompt
     with grpc.insecure_channel(a.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last = None
@@ -703,11 +755,27 @@ def cmd_generate(a: argparse.Namespace) -> None:
                 sys.stdout.flush()
         except grpc.RpcError as error:
             sys.stdout.write("\n")
-            sys.exit(f"error: {error.code().name}: {error.details()}")
+            sys.exit(f"error: {error.code().name}: {_flag_names(error.details() or '')}")
     sys.stdout.write("\n")
     if last is not None:
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(f"[{last.prompt_tokens} prompt tokens, {last.completion_tokens} generated, finish: {reason}]", file=sys.stderr)
+
+
+# The request fields `generate` sets, by the flag that sets them: the server's errors name fields.
+_GENERATE_FLAGS = {
+    "sampling.temperature": "--temperature", "sampling.top_p": "--top-p", "sampling.top_k": "--top-k",
+    "sampling.seed": "--seed", "stopping.max_tokens": "--max-tokens", "stopping.stop": "--stop",
+    "messages": "--chat", "prompt": "prompt",
+}
+
+
+def _flag_names(details: str) -> str:
+    """The server's message, with the flag beside each request field it names."""
+    for field, flag in _GENERATE_FLAGS.items():
+        if details.startswith(f"{field}:") or details.startswith(f"{field}["):
+            return f"{flag} ({details})"
+    return details
 
 
 def cmd_prepare_model(a: argparse.Namespace) -> None:

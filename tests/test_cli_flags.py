@@ -1,6 +1,9 @@
-"""Worker flags reach the worker's config, and `up` hands them to the worker processes it starts."""
+"""The command line: worker flags reach the worker's config and the processes `up` starts; `generate`
+names the flag of every bad value; every option has help."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
@@ -25,3 +28,39 @@ def test_gpu_memory_utilization_reaches_the_config_and_the_worker_command() -> N
 def test_gpu_memory_utilization_outside_its_range_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         cli._worker_config(_args("--gpu-memory-utilization", value), "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "-1"], "argument --max-tokens: must be at least 0, got -1"),
+        (["--temperature", "-0.5"], "argument --temperature: must be at least 0.0, got -0.5"),
+        (["--top-p", "1.5"], "argument --top-p: must lie in [0, 1], got 1.5"),
+        (["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+    ],
+)
+def test_generate_flag_errors_name_the_flag(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli._parser().parse_args(["generate", "hi", *flags])  # noqa: SLF001
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_system_needs_chat() -> None:
+    with pytest.raises(ValueError, match="^--system needs --chat$"):
+        cli.cmd_generate(cli._parser().parse_args(["generate", "hi", "--system", "Be brief."]))  # noqa: SLF001
+
+
+def test_server_errors_name_the_flag_that_set_the_field() -> None:
+    assert cli._flag_names("sampling.top_k: must be >= 0") == "--top-k (sampling.top_k: must be >= 0)"  # noqa: SLF001
+    assert cli._flag_names("stopping.stop[0]: empty stop string").startswith("--stop (")  # noqa: SLF001
+    assert cli._flag_names("the server is shutting down") == "the server is shutting down"  # noqa: SLF001
+
+
+def test_every_option_has_help() -> None:
+    parser = cli._parser()  # noqa: SLF001
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    missing = [f"{name} {' '.join(action.option_strings) or action.dest}"
+               for name, sub in commands.choices.items() for action in sub._actions  # noqa: SLF001
+               if action.help is None]
+    assert missing == []

@@ -235,3 +235,23 @@ async def test_chat_messages_are_rendered_like_tokenize_renders_them(chat_schedu
     assert "<|im_start|>" in rendered.tokens and len(rendered.token_ids) > 10
     assert by_messages[-1].prompt_tokens == len(rendered.token_ids)
     assert "".join(m.text for m in by_messages) == by_ids
+
+
+async def test_the_generate_command_chats_like_the_client(chat_scheduler: Scheduler) -> None:
+    """`llmserve generate --chat --system` sends the same conversation the client does."""
+    import sys
+
+    from tests.conftest import REPO
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    async with AsyncLlmserveClient(address(chat_scheduler)) as client:
+        expected = await client.generate_text(messages=chat, max_tokens=6, ignore_eos=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmserve.cli", "generate", "Hi there!", "--chat", "--system", "Be brief.",
+        "--address", address(chat_scheduler), "--max-tokens", "6", "--ignore-eos",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == expected + "\n"
+    assert "6 generated, finish: length" in err.decode()
