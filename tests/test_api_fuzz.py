@@ -81,14 +81,19 @@ def server(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> Iterator[Threade
         s.close()
 
 
+# Streams that never end by themselves: a short look is enough.
+ENDLESS = {"vllm.grpc.engine.VllmEngine.SubscribeKvEvents"}
+
+
 def _call(s: ThreadedScheduler, method: MethodDescriptor, payload: bytes) -> grpc.StatusCode:
     path = f"/{method.containing_service.full_name}/{method.name}"
+    timeout = 0.3 if method.full_name in ENDLESS else CALL_TIMEOUT
     try:
         if method.server_streaming:
-            for _ in s.channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT):
+            for _ in s.channel.unary_stream(path)(payload, timeout=timeout):
                 pass
         else:
-            s.channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT)
+            s.channel.unary_unary(path)(payload, timeout=timeout)
     except grpc.RpcError as error:
         return error.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
