@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test typecheck protos bench clean
+.PHONY: install run test lint format typecheck protos bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,20 @@ run: install
 	$(VENV)/bin/llmserve prepare-model
 	exec $(VENV)/bin/llmserve up $(ARGS)
 
-test: install typecheck
+test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# ruff's lint and formatter (settings in pyproject.toml); `make format` applies the formatter.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
 typecheck: install
-	$(VENV)/bin/mypy common scheduler_svc llmserve
+	$(VENV)/bin/mypy common scheduler_svc llmserve worker_svc kernels
 
 protos: install
 	$(PY) -m common.protogen

@@ -33,8 +33,11 @@ def main() -> int:
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_api_fuzz.py"],
-        cwd=REPO_ROOT, env={**os.environ, "LLMSERVE_FUZZ_EXAMPLES": str(args.examples)},
-        capture_output=True, text=True, check=False,
+        cwd=REPO_ROOT,
+        env={**os.environ, "LLMSERVE_FUZZ_EXAMPLES": str(args.examples)},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     seconds = time.monotonic() - start
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
@@ -42,7 +45,7 @@ def main() -> int:
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)}
     result = {
         "benchmark": "fuzz_api",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S"),
         "examples_per_test": args.examples,
         "tests": counts,
         "returncode": proc.returncode,

@@ -81,7 +81,9 @@ def random_cache(batch: int, ctx: int, kv_heads: int, head_dim: int, block: int,
     return k, v, tables
 
 
-def bench_decode(batch: int, ctx: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+def bench_decode(
+    batch: int, ctx: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128
+) -> dict[str, Any]:
     from kernels.paged_attention import paged_decode_attention
 
     k, v, tables = random_cache(batch, ctx, kv_heads, head_dim, 16, device)
@@ -94,11 +96,19 @@ def bench_decode(batch: int, ctx: int, device: torch.device, iters: int, heads: 
     qc = q.unsqueeze(2)
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True), iters, device)
     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
-    return {"batch": batch, "context": ctx, "ours_s": ours, "sdpa_contiguous_s": sdpa,
-            "ours_bytes_per_s": kv_bytes / ours, "sdpa_bytes_per_s": kv_bytes / sdpa}
+    return {
+        "batch": batch,
+        "context": ctx,
+        "ours_s": ours,
+        "sdpa_contiguous_s": sdpa,
+        "ours_bytes_per_s": kv_bytes / ours,
+        "sdpa_bytes_per_s": kv_bytes / sdpa,
+    }
 
 
-def bench_prefill(seqs: int, length: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict[str, Any]:
+def bench_prefill(
+    seqs: int, length: int, device: torch.device, iters: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128
+) -> dict[str, Any]:
     from kernels.prefill_attention import paged_prefill_attention
 
     k, v, tables = random_cache(seqs, length, kv_heads, head_dim, 16, device)
@@ -106,14 +116,26 @@ def bench_prefill(seqs: int, length: int, device: torch.device, iters: int, head
     starts = torch.arange(seqs + 1, dtype=torch.int32, device=device) * length
     q = torch.randn(seqs * length, heads, head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    ours = timed(lambda: paged_prefill_attention(q, k, v, tables, starts, seq_lens, head_dim**-0.5, out=out), iters, device)
+    ours = timed(
+        lambda: paged_prefill_attention(q, k, v, tables, starts, seq_lens, head_dim**-0.5, out=out), iters, device
+    )
     qc = torch.randn(seqs, heads, length, head_dim, device=device, dtype=torch.bfloat16)
     kc = torch.randn(seqs, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True), iters, device)
+    sdpa = timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True),
+        iters,
+        device,
+    )
     flops = seqs * heads * (length * (length + 1) / 2) * head_dim * 4  # causal QK^T and PV
-    return {"seqs": seqs, "length": length, "ours_s": ours, "sdpa_contiguous_s": sdpa,
-            "ours_flops_per_s": flops / ours, "sdpa_flops_per_s": flops / sdpa}
+    return {
+        "seqs": seqs,
+        "length": length,
+        "ours_s": ours,
+        "sdpa_contiguous_s": sdpa,
+        "ours_flops_per_s": flops / ours,
+        "sdpa_flops_per_s": flops / sdpa,
+    }
 
 
 def make_model(directory: str, device: torch.device, smoke: bool) -> dict[str, Any]:
@@ -121,12 +143,36 @@ def make_model(directory: str, device: torch.device, smoke: bool) -> dict[str, A
     tiny with `smoke`; returns its shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=512, max_position_embeddings=512) if smoke else dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, vocab_size=128256, max_position_embeddings=8192)
-    shape["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256 if smoke else 8192}
+    shape = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=512,
+        )
+        if smoke
+        else dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+        )
+    )
+    shape["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256 if smoke else 8192,
+    }
     torch.manual_seed(0)
     with torch.device(device):  # random init of 1.2B parameters is much faster on the GPU
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, initializer_range=0.05, **shape))
@@ -160,15 +206,36 @@ def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke
 
     results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
     tokens: dict[str, list[list[int]]] = {}
-    for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True), ("torch", "torch", True)):
+    for name, backend, eager in (
+        ("triton", "triton", False),
+        ("triton_eager", "triton", True),
+        ("torch", "torch", True),
+    ):
         dtype = "float32" if device.type == "cpu" else "bfloat16"
-        runner = ModelRunner(WorkerConfig(model=model_dir, dtype=dtype, device=str(device), attention_backend=backend,
-                                          cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096),
-                                          enforce_eager=eager, max_num_seqs=4 if smoke else 32))
+        runner = ModelRunner(
+            WorkerConfig(
+                model=model_dir,
+                dtype=dtype,
+                device=str(device),
+                attention_backend=backend,
+                cache=CacheConfig(num_gpu_blocks=64 if smoke else 4096),
+                enforce_eager=eager,
+                max_num_seqs=4 if smoke else 32,
+            )
+        )
         sched = Scheduler(SchedulerConfig(), BlockManager(runner.kv.num_blocks, 16), runner.max_model_len, frozenset())
         rng = np.random.default_rng(0)
-        seqs = [Sequence(i, str(i), rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(), SamplingParams(),
-                         StoppingParams(max_tokens=steps), arrival=i) for i in range(4 if smoke else 32)]
+        seqs = [
+            Sequence(
+                i,
+                str(i),
+                rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(),
+                SamplingParams(),
+                StoppingParams(max_tokens=steps),
+                arrival=i,
+            )
+            for i in range(4 if smoke else 32)
+        ]
         for s in seqs:
             sched.add(SequenceGroup.of(s))
         start, generated = time.perf_counter(), 0
@@ -176,8 +243,12 @@ def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke
             generated += len(sched.update(plan, runner.execute(plan)))
         seconds = time.perf_counter() - start
         tokens[name] = [s.output_token_ids for s in seqs]
-        results[name] = {"output_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
-                         "cuda_graphs": runner._graphs is not None}
+        results[name] = {
+            "output_tokens": generated,
+            "seconds": seconds,
+            "tokens_per_s": generated / seconds,
+            "cuda_graphs": runner._graphs is not None,
+        }
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -214,8 +285,13 @@ def check_large_cache(device: torch.device, smoke: bool) -> dict[str, Any]:
     vc = v[tables.long()].reshape(batch, ctx, kv_heads, head_dim).transpose(1, 2).float()
     ref = torch.nn.functional.scaled_dot_product_attention(q.float().unsqueeze(2), kc, vc, enable_gqa=True).squeeze(2)
     err = float((out.float() - ref).abs().max())
-    return {"elements_per_layer": k.numel(), "past_int32": k.numel() > INT32_LIMIT,
-            "highest_element_read": (num_blocks * stride) - 1, "max_abs_err": err, "ok": err < 3e-2}
+    return {
+        "elements_per_layer": k.numel(),
+        "past_int32": k.numel() > INT32_LIMIT,
+        "highest_element_read": (num_blocks * stride) - 1,
+        "max_abs_err": err,
+        "ok": err < 3e-2,
+    }
 
 
 def check_token_limit(device: torch.device, smoke: bool) -> dict[str, Any]:
@@ -235,8 +311,13 @@ def check_token_limit(device: torch.device, smoke: bool) -> dict[str, Any]:
     def record(name: str, tokens: int, width: int, got: torch.Tensor, want: torch.Tensor) -> None:
         # Relative to the largest value: both sides round to bfloat16 (a unit in the last place is 2^-8).
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-        results[name] = {"tokens": tokens, "elements": tokens * width, "past_int32": tokens * width > INT32_LIMIT,
-                         "max_rel_err_last_rows": err, "ok": err < 2e-2}
+        results[name] = {
+            "tokens": tokens,
+            "elements": tokens * width,
+            "past_int32": tokens * width > INT32_LIMIT,
+            "max_rel_err_last_rows": err,
+            "ok": err < 2e-2,
+        }
         print(f"token limit {name}: {tokens} tokens, relative error {err:.3g}", flush=True)
 
     tokens = rows_past(hidden)
@@ -273,9 +354,17 @@ def check_sampling_peak(model_dir: str, device: torch.device) -> dict[str, Any]:
     from worker_svc.probe_plans import heaviest_step
     from worker_svc.runner import ModelRunner
 
-    runner = ModelRunner(WorkerConfig(model=model_dir, dtype="bfloat16", device=str(device), attention_backend="triton",
-                                      cache=CacheConfig(gpu_memory_utilization=0.5), max_num_seqs=256,
-                                      max_num_batched_tokens=8192))
+    runner = ModelRunner(
+        WorkerConfig(
+            model=model_dir,
+            dtype="bfloat16",
+            device=str(device),
+            attention_backend="triton",
+            cache=CacheConfig(gpu_memory_utilization=0.5),
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+        )
+    )
     plan, _ = heaviest_step(8192, 256, runner.block_size, runner.shape.vocab_size)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -284,14 +373,18 @@ def check_sampling_peak(model_dir: str, device: torch.device) -> dict[str, Any]:
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     profiled = runner.profiled_peak_bytes
-    return {"profiled_peak_bytes": profiled, "measured_step_peak_bytes": peak,
-            "within_profile": profiled is not None and peak <= profiled, "num_gpu_blocks": runner.kv.num_blocks}
+    return {
+        "profiled_peak_bytes": profiled,
+        "measured_step_peak_bytes": peak,
+        "within_profile": profiled is not None and peak <= profiled,
+        "num_gpu_blocks": runner.kv.num_blocks,
+    }
 
 
 def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> dict[str, Any]:
     """`llmserve up --tp 2` streams, greedy, what `--tp 1` streams (bfloat16 on CUDA: NCCL)."""
-    import socket
     import signal
+    import socket
 
     from llmserve.client import LlmserveClient
 
@@ -303,8 +396,25 @@ def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> 
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", model_dir,
-               "--port", str(port), "--tp", str(tp), "--device", device.type, "--dtype", dtype, "--no-http"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "warning",
+            "up",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--tp",
+            str(tp),
+            "--device",
+            device.type,
+            "--dtype",
+            dtype,
+            "--no-http",
+        ]
         if device.type == "cpu":
             cmd += ["--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
@@ -312,8 +422,14 @@ def check_tensor_parallel(model_dir: str, device: torch.device, smoke: bool) -> 
             _wait_serving(f"127.0.0.1:{port}", proc, f"llmserve up --tp {tp}")
             with LlmserveClient(f"127.0.0.1:{port}") as client:
                 start = time.perf_counter()
-                outputs[tp] = [[t for m in client.generate(prompt_token_ids=p, max_tokens=24, ignore_eos=True)
-                                for t in m.token_ids] for p in prompts]
+                outputs[tp] = [
+                    [
+                        t
+                        for m in client.generate(prompt_token_ids=p, max_tokens=24, ignore_eos=True)
+                        for t in m.token_ids
+                    ]
+                    for p in prompts
+                ]
                 seconds[tp] = time.perf_counter() - start
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -332,7 +448,10 @@ def _wait_serving(address: str, proc: subprocess.Popen[bytes], what: str, timeou
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass  # not listening yet
@@ -345,14 +464,35 @@ def run_kernel_tests() -> dict[str, Any]:
     try:
         import pytest  # noqa: F401
     except ImportError:
-        return {"returncode": 0, "summary": ["skipped: pytest is not installed here"], "seconds": 0.0, "output_tail": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_runner.py", "tests/test_block_ops.py",
-           "tests/test_model_forward.py", "tests/test_cuda_graphs.py", "--full-kernels"]
+        return {
+            "returncode": 0,
+            "summary": ["skipped: pytest is not installed here"],
+            "seconds": 0.0,
+            "output_tail": "",
+        }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_kernels.py",
+        "tests/test_runner.py",
+        "tests/test_block_ops.py",
+        "tests/test_model_forward.py",
+        "tests/test_cuda_graphs.py",
+        "--full-kernels",
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
-    return {"returncode": proc.returncode, "summary": tail, "seconds": time.perf_counter() - start,
-            "output_tail": proc.stdout[-4000:] if proc.returncode else ""}
+    return {
+        "returncode": proc.returncode,
+        "summary": tail,
+        "seconds": time.perf_counter() - start,
+        "output_tail": proc.stdout[-4000:] if proc.returncode else "",
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -371,7 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print("gpu_check needs CUDA; run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU", file=sys.stderr)
+        print(
+            "gpu_check needs CUDA; run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
@@ -403,15 +546,23 @@ def main(argv: list[str] | None = None) -> int:
     result["decode"] = [bench_decode(b, c, device, iters, *((4, 2, 64) if args.smoke else ())) for b, c in decode_cases]
     for case in result["decode"]:
         case["fraction_of_copy_bandwidth"] = case["ours_bytes_per_s"] / copy_bw
-        print(f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
-              f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us", flush=True)
+        print(
+            f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
+            f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us",
+            flush=True,
+        )
     save()
     prefill_cases = [(2, 48)] if args.smoke else [(4, 2048), (1, 8192)]
-    result["prefill"] = [bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in prefill_cases]
+    result["prefill"] = [
+        bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in prefill_cases
+    ]
     for case in result["prefill"]:
         case["fraction_of_matmul_peak"] = case["ours_flops_per_s"] / peak
-        print(f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
-              f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}", flush=True)
+        print(
+            f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+            f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}",
+            flush=True,
+        )
     save()
     result["large_cache"] = check_large_cache(device, args.smoke)
     print("large cache:", json.dumps(result["large_cache"]), flush=True)

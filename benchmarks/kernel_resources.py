@@ -72,16 +72,30 @@ def ptxas_report(ptx: str) -> dict[str, int]:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
         proc = subprocess.run(
-            [get_ptxas(TARGET.arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
-             str(src), "-o", str(Path(tmp) / "kernel.cubin")],
-            capture_output=True, text=True, check=True,
+            [
+                get_ptxas(TARGET.arch).path,
+                "-lineinfo",
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name={arch}",
+                str(src),
+                "-o",
+                str(Path(tmp) / "kernel.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
     log = proc.stderr + proc.stdout
     used, spills, stack = _USED.search(log), _SPILLS.search(log), _STACK.search(log)
     if used is None or spills is None or stack is None:
         raise RuntimeError(f"unexpected ptxas output:\n{log}")
-    return {"registers": int(used.group(1)), "spill_stores": int(spills.group(1)),
-            "spill_loads": int(spills.group(2)), "stack_frame": int(stack.group(1))}
+    return {
+        "registers": int(used.group(1)),
+        "spill_stores": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
+        "stack_frame": int(stack.group(1)),
+    }
 
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # head dims, hidden sizes, wide groups
@@ -107,14 +121,18 @@ def measure(job: tuple[Shapes, int]) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'config':<26}{'dtype':<6}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld (B)':>17}"
-              f"{'shared (B)':>12}  cp.async")
+    header = (
+        f"{'config':<26}{'dtype':<6}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld (B)':>17}"
+        f"{'shared (B)':>12}  cp.async"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
-        print(f"{r['config']:<26}{r['dtype']:<6}{r['num_warps']:>6}{r['num_stages']:>7}{r['registers']:>6}"
-              f"{spills:>17}{r['shared_bytes']:>12}  {'yes' if r['cp_async'] else 'no'}")
+        print(
+            f"{r['config']:<26}{r['dtype']:<6}{r['num_warps']:>6}{r['num_stages']:>7}{r['registers']:>6}"
+            f"{spills:>17}{r['shared_bytes']:>12}  {'yes' if r['cp_async'] else 'no'}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,15 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     cases = worker_cases(shapes[0], DTYPES, shapes[1], shapes[2])
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         jobs = [(shapes, i) for i in range(len(cases))]
-        rows = list(tqdm(pool.map(measure, jobs), total=len(cases), desc="compiling for sm_90", unit="kernel",
-                         file=sys.stderr))
+        rows = list(
+            tqdm(pool.map(measure, jobs), total=len(cases), desc="compiling for sm_90", unit="kernel", file=sys.stderr)
+        )
     print_table(rows)
     spilling = [f"{r['config']}-{r['dtype']}" for r in rows if r["spill_stores"] or r["spill_loads"]]
     # A launch asking for more shared memory than a block may have fails with "out of resources".
     over_shared = [f"{r['config']}-{r['dtype']}" for r in rows if r["shared_bytes"] > SHARED_LIMIT]
     result = {
         "benchmark": "kernel_resources",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S"),
         "target": sm_arch_from_capability(TARGET.arch),
         "triton": triton.__version__,
         "quick": args.quick,
@@ -151,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / "kernel_resources.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{len(rows)} configurations, {len(spilling)} spilling, {len(over_shared)} over the shared memory limit;"
-          f" wrote {path}")
+    print(
+        f"{len(rows)} configurations, {len(spilling)} spilling, {len(over_shared)} over the shared memory limit;"
+        f" wrote {path}"
+    )
     return 0
 
 

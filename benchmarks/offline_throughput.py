@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model) if args.model else prepare_default_model(cache_root())
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
-    workload = bench.make_workload(args.num_requests, args.seed, bench._vocab_size(model_dir), args.prompt_len, args.output_len)
+    workload = bench.make_workload(
+        args.num_requests, args.seed, bench._vocab_size(model_dir), args.prompt_len, args.output_len
+    )
     runs: dict[str, list[dict[str, Any]]] = {"grpc": [], "offline": []}
     for r in range(args.repeat):
         bench.log.info("benchmark_round", round=r + 1, of=args.repeat)
@@ -98,9 +100,14 @@ def main(argv: list[str] | None = None) -> None:
         "model": str(model_dir),
         "dtype": {"requested": args.dtype, "resolved": bench.resolve_dtype(args.dtype)},
         "workload": {
-            "num_requests": args.num_requests, "seed": args.seed, "prompt_len": list(args.prompt_len),
-            "output_len": list(args.output_len), "prompt_tokens": sum(len(p) for p, _ in workload),
-            "output_tokens": bench.useful_output_tokens(workload), "ignore_eos": True, "temperature": 0.0,
+            "num_requests": args.num_requests,
+            "seed": args.seed,
+            "prompt_len": list(args.prompt_len),
+            "output_len": list(args.output_len),
+            "prompt_tokens": sum(len(p) for p, _ in workload),
+            "output_tokens": bench.useful_output_tokens(workload),
+            "ignore_eos": True,
+            "temperature": 0.0,
         },
         "engine_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "machine": bench.machine(),

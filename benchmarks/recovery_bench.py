@@ -30,8 +30,9 @@ import structlog
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
 
-from common import log as logsetup  # noqa: E402
 from throughput import RESULTS_DIR, _free_port, _Server, _vocab_size, _wait_serving, machine, make_workload  # noqa: E402
+
+from common import log as logsetup  # noqa: E402
 
 log = structlog.get_logger("benchmark")
 
@@ -56,8 +57,18 @@ class _Cluster:
         self.address = f"127.0.0.1:{self.port}"
         cli = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning"]
         self.scheduler = _Server(
-            [*cli, "scheduler", "--model", model, "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-             "--worker-health-interval", "1"],
+            [
+                *cli,
+                "scheduler",
+                "--model",
+                model,
+                "--port",
+                str(self.port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--worker-health-interval",
+                "1",
+            ],
             logs / "scheduler.log",
         )
         # Two CPU workers on one machine split its cores rather than both using all of them
@@ -65,8 +76,20 @@ class _Cluster:
         threads = str(max(1, (os.cpu_count() or 2) // 2))
         self.workers = [
             _Server(
-                [*cli, "worker", "--model", model, "--listen", f"127.0.0.1:{_free_port()}", "--dtype", "float32",
-                 "--device", "cpu", "--scheduler", self.address],
+                [
+                    *cli,
+                    "worker",
+                    "--model",
+                    model,
+                    "--listen",
+                    f"127.0.0.1:{_free_port()}",
+                    "--dtype",
+                    "float32",
+                    "--device",
+                    "cpu",
+                    "--scheduler",
+                    self.address,
+                ],
                 logs / f"worker-{i}.log",
                 env={**os.environ, "OMP_NUM_THREADS": threads},
             )
@@ -84,8 +107,11 @@ class _Cluster:
     def recovered(self) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("llmserve:requests_recovered_total{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("llmserve:requests_recovered_total{")
+        )
 
 
 async def _groups(stub: Any) -> int:
@@ -94,8 +120,9 @@ async def _groups(stub: Any) -> int:
     return len((await stub.GetLoad(pb.GetLoadRequest())).groups)
 
 
-async def _phase(stub: Any, workload: list[tuple[list[int], int]], kill_at: int | None = None,
-                 victim: _Server | None = None) -> dict[str, Any]:
+async def _phase(
+    stub: Any, workload: list[tuple[list[int], int]], kill_at: int | None = None, victim: _Server | None = None
+) -> dict[str, Any]:
     """Run every request at once; with kill_at, SIGKILL the victim once that many tokens streamed."""
     from common.pb.llmserve.v1 import generation_pb2 as pb
 
@@ -106,7 +133,8 @@ async def _phase(stub: Any, workload: list[tuple[list[int], int]], kill_at: int 
     async def one(prompt: list[int], max_tokens: int) -> list[int]:
         nonlocal streamed, killed_at
         request = pb.GenerateRequest(
-            prompt_token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0),
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0.0),
             stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
         )
         tokens: list[int] = []
@@ -128,8 +156,12 @@ async def _phase(stub: Any, workload: list[tuple[list[int], int]], kill_at: int 
     start = time.perf_counter()
     outputs = await asyncio.gather(*(one(p, n) for p, n in workload))
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": round(elapsed, 3), "outputs": outputs, "max_gap_s": round(max(gaps, default=0.0), 3),
-            "killed_after_s": None if killed_at is None else round(killed_at - start, 3)}
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "outputs": outputs,
+        "max_gap_s": round(max(gaps, default=0.0), 3),
+        "killed_after_s": None if killed_at is None else round(killed_at - start, 3),
+    }
 
 
 async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, Any]:
@@ -164,9 +196,14 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
     for phase in (both, disturbed, alone):
         del phase["outputs"]
     return {
-        "requests": num, "max_tokens": max_tokens, "output_tokens": total,
-        "two_groups": both, "one_killed": disturbed, "survivor_alone": alone,
-        "streams_equal": equal, "requests_recovered": recovered,
+        "requests": num,
+        "max_tokens": max_tokens,
+        "output_tokens": total,
+        "two_groups": both,
+        "one_killed": disturbed,
+        "survivor_alone": alone,
+        "streams_equal": equal,
+        "requests_recovered": recovered,
         "ratio_killed_vs_two_groups": round(disturbed["elapsed_s"] / both["elapsed_s"], 3),
         "ratio_killed_vs_survivor_alone": round(disturbed["elapsed_s"] / alone["elapsed_s"], 3),
     }
@@ -189,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<16}{r['elapsed_s']:>8.2f} s   longest pause between messages {r['max_gap_s']:.2f} s")
     print(f"killed / two groups      {result['ratio_killed_vs_two_groups']:.2f}x")
     print(f"killed / survivor alone  {result['ratio_killed_vs_survivor_alone']:.2f}x")
-    print(f"requests moved {result['requests_recovered']:.0f}; every stream equal to its undisturbed run: {result['streams_equal']}")
+    print(
+        f"requests moved {result['requests_recovered']:.0f}; every stream equal to its undisturbed run: {result['streams_equal']}"
+    )
     args.results_dir.mkdir(parents=True, exist_ok=True)
     for path in (args.results_dir / f"recovery-{stamp}.json", args.out):
         if path is not None:

@@ -101,6 +101,7 @@ PHASES = ("schedule", "build_plan", "encode", "decode", "update")
 
 # ---- workload ----
 
+
 @dataclass(frozen=True)
 class Request:
     prompt: list[int]
@@ -147,6 +148,7 @@ def make_scheduler(args: argparse.Namespace, max_tokens: int) -> Scheduler:
 
 # ---- the fake worker ----
 
+
 def fake_token(seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """The token a sequence 'samples' at a position: a hash of both, never below MIN_TOKEN_ID."""
     mixed = (seq_ids.astype(np.int64) * 7919 + positions.astype(np.int64) * 104729) % (VOCAB_SIZE - MIN_TOKEN_ID)
@@ -169,6 +171,7 @@ def fake_worker(plan_bytes: bytes) -> bytes:
 
 
 # ---- one timed step ----
+
 
 @dataclass
 class StepTimes:
@@ -246,6 +249,7 @@ def timer_overhead_us() -> float:
 
 # ---- reporting ----
 
+
 def _us(values: np.ndarray) -> dict[str, float]:
     us = values.astype(np.float64) / 1000
     return {
@@ -320,6 +324,7 @@ class TokenCheck:
 
 # ---- the two runs ----
 
+
 def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
     sched = make_scheduler(args, OUTPUT_LEN[1])
     workload = requests(args.requests, args.seed)
@@ -341,15 +346,24 @@ def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
             running.append(sched.num_running)
             step = timed_step(sched, times, build)
             if step is None:
-                raise RuntimeError(f"schedule() returned no plan with {sched.num_waiting} waiting, {sched.num_running} running")
+                raise RuntimeError(
+                    f"schedule() returned no plan with {sched.num_waiting} waiting, {sched.num_running} running"
+                )
             check.add(step[1])
             n = len(times.num_seqs)
             if n % args.log_every == 0:
-                recent = times.total_ns()[-args.log_every:]
-                log.info("progress", run="mixed", step=n, finished=check.finished, total=args.requests,
-                         running=sched.num_running, waiting=sched.num_waiting,
-                         recent_mean_us=round(float(recent.mean()) / 1000, 1),
-                         elapsed_s=round(time.perf_counter() - start, 1))
+                recent = times.total_ns()[-args.log_every :]
+                log.info(
+                    "progress",
+                    run="mixed",
+                    step=n,
+                    finished=check.finished,
+                    total=args.requests,
+                    running=sched.num_running,
+                    waiting=sched.num_waiting,
+                    recent_mean_us=round(float(recent.mean()) / 1000, 1),
+                    elapsed_s=round(time.perf_counter() - start, 1),
+                )
     wall = time.perf_counter() - start
     steady = np.array(times.num_seqs) >= math.ceil(STEADY_FRACTION * args.max_running)
     log.info("run_done", run="mixed", steps=len(times.num_seqs), steady_steps=int(steady.sum()), wall_s=round(wall, 1))
@@ -393,7 +407,11 @@ def _decode_loop(args: argparse.Namespace, sched: Scheduler, steps: int, times: 
         if step is None:
             raise RuntimeError("no plan in the pure decode run")
         plan, events = step
-        if plan.num_seqs != args.max_running or plan.num_tokens != args.max_running or any(e.finish_reason for e in events):
+        if (
+            plan.num_seqs != args.max_running
+            or plan.num_tokens != args.max_running
+            or any(e.finish_reason for e in events)
+        ):
             raise RuntimeError(f"step {plan.step_id} is not a pure decode step of {args.max_running} sequences")
 
 
@@ -442,6 +460,7 @@ def run_pure_decode(args: argparse.Namespace) -> tuple[dict[str, Any], str | Non
 
 # ---- flags, machine, main ----
 
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -451,14 +470,26 @@ def _positive_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=_positive_int, default=None,
-                   help=f"requests in the mixed run (default 10000, --quick {QUICK_REQUESTS})")
+    p.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=None,
+        help=f"requests in the mixed run (default 10000, --quick {QUICK_REQUESTS})",
+    )
     p.add_argument("--max-running", type=_positive_int, default=256, help="max_num_seqs (default 256)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="token budget (default 8192)")
-    p.add_argument("--backlog", type=_positive_int, default=SchedulerConfig().max_queue_len,
-                   help="requests kept waiting in the mixed run (default: max_queue_len, 1024)")
-    p.add_argument("--decode-steps", type=_positive_int, default=None,
-                   help=f"timed steps of the pure decode run (default 1000, --quick {QUICK_DECODE_STEPS})")
+    p.add_argument(
+        "--backlog",
+        type=_positive_int,
+        default=SchedulerConfig().max_queue_len,
+        help="requests kept waiting in the mixed run (default: max_queue_len, 1024)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=_positive_int,
+        default=None,
+        help=f"timed steps of the pure decode run (default 1000, --quick {QUICK_DECODE_STEPS})",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--quick", action="store_true", help="a small run for tests: fewer requests and decode steps")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of pure decode steps")
@@ -500,8 +531,14 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logsetup.configure()
-    log.info("benchmark_phase", phase="mixed", requests=args.requests, max_running=args.max_running,
-             budget=args.max_num_batched_tokens, seed=args.seed)
+    log.info(
+        "benchmark_phase",
+        phase="mixed",
+        requests=args.requests,
+        max_running=args.max_running,
+        budget=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
     mixed = run_mixed(args)
     log.info("benchmark_phase", phase="pure_decode", num_seqs=args.max_running, steps=args.decode_steps)
     pure, profile_text = run_pure_decode(args)
@@ -543,27 +580,34 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(mixed, pure)
     if profile_text is not None:
         print(profile_text)
-    print(f"target <1 ms/step: {'met' if met else 'missed'} "
-          f"(pure decode of {args.max_running} seqs: mean {pure['total_us']['mean']:.0f} us/step)")
+    print(
+        f"target <1 ms/step: {'met' if met else 'missed'} "
+        f"(pure decode of {args.max_running} seqs: mean {pure['total_us']['mean']:.0f} us/step)"
+    )
     if not valid:
-        print("INVALID RUN: unfinished requests, wrong tokens or a failed integrity check; see the JSON",
-              file=sys.stderr)
+        print(
+            "INVALID RUN: unfinished requests, wrong tokens or a failed integrity check; see the JSON", file=sys.stderr
+        )
         return 1
     return 0
 
 
 def _print_table(mixed: dict[str, Any], pure: dict[str, Any]) -> None:
     rows = [("mixed, all steps", mixed["all_steps"]), ("mixed, steady", mixed["steady_steps"]), ("pure decode", pure)]
-    print(f"{'us per step':<18}{'steps':>7}{'seqs':>6}{'total':>8}{'p50':>8}{'p99':>8}"
-          f"{'sched':>8}{'build':>8}{'encode':>8}{'decode':>8}{'update':>8}{'plan KiB':>10}")
+    print(
+        f"{'us per step':<18}{'steps':>7}{'seqs':>6}{'total':>8}{'p50':>8}{'p99':>8}"
+        f"{'sched':>8}{'build':>8}{'encode':>8}{'decode':>8}{'update':>8}{'plan KiB':>10}"
+    )
     for name, s in rows:
         if not s.get("steps"):
             print(f"{name:<18}{0:>7}")
             continue
-        print(f"{name:<18}{s['steps']:>7}{s['num_seqs_mean']:>6.0f}{s['total_us']['mean']:>8.0f}"
-              f"{s['total_us']['p50']:>8.0f}{s['total_us']['p99']:>8.0f}"
-              + "".join(f"{s[f'{p}_us']['mean']:>8.0f}" for p in PHASES)
-              + f"{s['plan_bytes_mean'] / 1024:>10.1f}")
+        print(
+            f"{name:<18}{s['steps']:>7}{s['num_seqs_mean']:>6.0f}{s['total_us']['mean']:>8.0f}"
+            f"{s['total_us']['p50']:>8.0f}{s['total_us']['p99']:>8.0f}"
+            + "".join(f"{s[f'{p}_us']['mean']:>8.0f}" for p in PHASES)
+            + f"{s['plan_bytes_mean'] / 1024:>10.1f}"
+        )
 
 
 if __name__ == "__main__":

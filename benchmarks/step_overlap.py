@@ -56,6 +56,7 @@ def _free_port() -> int:
 
 # ---- the stand-in worker (a process of its own: `--standin`) ----
 
+
 class SleepingRunner:
     """What the servicer needs of a ModelRunner; a step is `step_s` of sleep (the GIL is free,
     as it is while a GPU computes). Tokens depend on the fed token and its position; deferred
@@ -70,7 +71,12 @@ class SleepingRunner:
         self.config = WorkerConfig(model=model_name)
         self.group = SINGLE
         self.device = torch.device("cpu")  # the servicer binds its forward thread to it
-        self.model_name, self.vocab_size, self.max_model_len, self.step_s = model_name, vocab_size, max_model_len, step_s
+        self.model_name, self.vocab_size, self.max_model_len, self.step_s = (
+            model_name,
+            vocab_size,
+            max_model_len,
+            step_s,
+        )
         self.last: dict[int, int] = {}
         self.log: list[tuple[int, float, float]] = []  # (sequences, start, end) per step
 
@@ -88,7 +94,9 @@ class SleepingRunner:
         for i in np.flatnonzero(fed == DEFERRED_INPUT):
             fed[i] = self.last[int(plan.seq_ids[i])]
         positions = (plan.context_lens + plan.query_lens).astype(np.int64)
-        tokens = np.where(plan.sample == 1, 100 + (fed * 31 + positions * 7) % (self.vocab_size - 100), -1).astype(np.int32)
+        tokens = np.where(plan.sample == 1, 100 + (fed * 31 + positions * 7) % (self.vocab_size - 100), -1).astype(
+            np.int32
+        )
         rows = np.flatnonzero(plan.sample)
         self.last = dict(zip(plan.seq_ids[rows].tolist(), tokens[rows].tolist()))
         remaining = self.step_s - (time.perf_counter() - start)
@@ -107,8 +115,9 @@ async def _serve_standin(args: argparse.Namespace) -> None:
     from worker_svc.servicer import WorkerServicer
 
     config = json.loads((Path(args.model) / "config.json").read_text())
-    runner = SleepingRunner(Path(args.model).name, int(config["vocab_size"]), int(config["max_position_embeddings"]),
-                            args.step_ms / 1e3)
+    runner = SleepingRunner(
+        Path(args.model).name, int(config["vocab_size"]), int(config["max_position_embeddings"]), args.step_ms / 1e3
+    )
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     servicer = WorkerServicer(runner, runner.model_name)  # type: ignore[arg-type]
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -126,6 +135,7 @@ async def _serve_standin(args: argparse.Namespace) -> None:
 
 
 # ---- the run ----
+
 
 async def _drive(port: int, num_seqs: int, max_tokens: int) -> float:
     import grpc
@@ -162,7 +172,9 @@ async def _wait_ready(port: int, *procs: subprocess.Popen[bytes]) -> None:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{proc.args[1:3]} exited with {proc.returncode}")
             try:
-                if (await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                ).status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.aio.AioRpcError:
                 pass
@@ -175,11 +187,37 @@ def run_mode(args: argparse.Namespace, model: Path, plan_ahead: bool) -> dict[st
     with tempfile.TemporaryDirectory(prefix="llmserve-overlap-") as tmp:
         log_path = Path(tmp) / "steps.json"
         standin = subprocess.Popen(
-            [sys.executable, __file__, "--standin", "--model", str(model), "--listen", f"127.0.0.1:{worker_port}",
-             "--step-ms", str(args.step_ms), "--log", str(log_path)], cwd=REPO_ROOT,
+            [
+                sys.executable,
+                __file__,
+                "--standin",
+                "--model",
+                str(model),
+                "--listen",
+                f"127.0.0.1:{worker_port}",
+                "--step-ms",
+                str(args.step_ms),
+                "--log",
+                str(log_path),
+            ],
+            cwd=REPO_ROOT,
         )
-        cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "scheduler", "--model", str(model),
-               "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), "--max-num-seqs", str(args.num_seqs)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "warning",
+            "scheduler",
+            "--model",
+            str(model),
+            "--worker",
+            f"127.0.0.1:{worker_port}",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(args.num_seqs),
+        ]
         scheduler = subprocess.Popen(cmd + ([] if plan_ahead else ["--no-plan-ahead"]), cwd=REPO_ROOT)
         try:
             asyncio.run(_wait_ready(port, scheduler, standin))
@@ -210,8 +248,11 @@ def run_mode(args: argparse.Namespace, model: Path, plan_ahead: bool) -> dict[st
         "steps": len(steps),
         "steps_at_full_batch": len(full),
         "step_ms": {"mean": 1e3 * statistics.fmean(lengths)},
-        "idle_ms": {"mean": 1e3 * statistics.fmean(gaps), "p50": 1e3 * float(np.percentile(gaps, 50)),
-                    "p99": 1e3 * float(np.percentile(gaps, 99))},
+        "idle_ms": {
+            "mean": 1e3 * statistics.fmean(gaps),
+            "p50": 1e3 * float(np.percentile(gaps, 50)),
+            "p99": 1e3 * float(np.percentile(gaps, 99)),
+        },
         "idle_share_of_step": statistics.fmean(gaps) / statistics.fmean(lengths),
     }
 
@@ -243,15 +284,28 @@ def main(argv: list[str] | None = None) -> None:
     model = Path(args.model) if args.model else prepare_default_model(cache_root())
     modes = [run_mode(args, model, plan_ahead) for plan_ahead in (True, False)]
     now = dt.datetime.now()
-    result = {"benchmark": "step_overlap", "date": now.isoformat(timespec="seconds"), "num_seqs": args.num_seqs,
-              "stand_in_step_ms": args.step_ms, "max_tokens": args.max_tokens, "cpu_count": os.cpu_count(), "modes": modes}
-    print(f"{'mode':<8}{'steps':>7}{'step ms':>9}{'idle ms':>9}{'p99 ms':>8}{'idle/step':>11}{'sched cpu':>11}{'client cpu':>12}")
+    result = {
+        "benchmark": "step_overlap",
+        "date": now.isoformat(timespec="seconds"),
+        "num_seqs": args.num_seqs,
+        "stand_in_step_ms": args.step_ms,
+        "max_tokens": args.max_tokens,
+        "cpu_count": os.cpu_count(),
+        "modes": modes,
+    }
+    print(
+        f"{'mode':<8}{'steps':>7}{'step ms':>9}{'idle ms':>9}{'p99 ms':>8}{'idle/step':>11}{'sched cpu':>11}{'client cpu':>12}"
+    )
     for m in modes:
-        print(f"{'ahead' if m['plan_ahead'] else 'sync':<8}{m['steps_at_full_batch']:>7}{m['step_ms']['mean']:>9.2f}"
-              f"{m['idle_ms']['mean']:>9.3f}{m['idle_ms']['p99']:>8.3f}{100 * m['idle_share_of_step']:>10.1f}%"
-              f"{m['scheduler_cpu_ms_per_step']:>9.2f}ms{m['client_cpu_ms_per_step']:>10.2f}ms")
+        print(
+            f"{'ahead' if m['plan_ahead'] else 'sync':<8}{m['steps_at_full_batch']:>7}{m['step_ms']['mean']:>9.2f}"
+            f"{m['idle_ms']['mean']:>9.3f}{m['idle_ms']['p99']:>8.3f}{100 * m['idle_share_of_step']:>10.1f}%"
+            f"{m['scheduler_cpu_ms_per_step']:>9.2f}ms{m['client_cpu_ms_per_step']:>10.2f}ms"
+        )
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    for path in [args.results_dir / f"step-overlap-{now.strftime('%Y%m%d-%H%M%S')}.json"] + ([args.out] if args.out else []):
+    for path in [args.results_dir / f"step-overlap-{now.strftime('%Y%m%d-%H%M%S')}.json"] + (
+        [args.out] if args.out else []
+    ):
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
 

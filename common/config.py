@@ -38,7 +38,10 @@ class CacheConfig:
     num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
         _require(self.num_gpu_blocks is None or self.num_gpu_blocks > 0, "num_gpu_blocks must be positive")
         _require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb must be positive")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must lie in (0, 1]")
@@ -176,7 +179,10 @@ class TlsClientConfig:
     server_name: str | None = None
 
     def __post_init__(self) -> None:
-        _require((self.cert is None) == (self.key is None), "a TLS client certificate needs its key, and a key its certificate")
+        _require(
+            (self.cert is None) == (self.key is None),
+            "a TLS client certificate needs its key, and a key its certificate",
+        )
         for path, what in ((self.ca, "TLS CA"), (self.cert, "TLS client certificate"), (self.key, "TLS client key")):
             if path is not None:
                 _require_file(path, what)

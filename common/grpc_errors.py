@@ -64,7 +64,9 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(request, _Undecodable):
         log.info("rpc_refused", method=method, code="INVALID_ARGUMENT", reason="undecodable request")
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as {method}'s message: {request.reason}")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as {method}'s message: {request.reason}"
+        )
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

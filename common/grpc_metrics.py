@@ -47,12 +47,20 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry) -> None:
         self.started = Counter("grpc_server_started", "RPCs started on the server.", _LABELS, registry=registry)
         self.handled = Counter(
-            "grpc_server_handled", "RPCs completed on the server, by status code.", [*_LABELS, "grpc_code"], registry=registry
+            "grpc_server_handled",
+            "RPCs completed on the server, by status code.",
+            [*_LABELS, "grpc_code"],
+            registry=registry,
         )
-        self.received = Counter("grpc_server_msg_received", "Messages received from clients.", _LABELS, registry=registry)
+        self.received = Counter(
+            "grpc_server_msg_received", "Messages received from clients.", _LABELS, registry=registry
+        )
         self.sent = Counter("grpc_server_msg_sent", "Messages sent to clients.", _LABELS, registry=registry)
         self.seconds = Histogram(
-            "grpc_server_handling_seconds", "Time from start to completion of an RPC.", _LABELS, buckets=_BUCKETS,
+            "grpc_server_handling_seconds",
+            "Time from start to completion of an RPC.",
+            _LABELS,
+            buckets=_BUCKETS,
             registry=registry,
         )
 
@@ -74,8 +82,14 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         return self._wrap(handler, "bidi_stream", service, method, handler.stream_stream, True, True)
 
     def _wrap(
-        self, handler: grpc.RpcMethodHandler, kind: str, service: str, method: str, inner: Any,
-        streams_in: bool, streams_out: bool,
+        self,
+        handler: grpc.RpcMethodHandler,
+        kind: str,
+        service: str,
+        method: str,
+        inner: Any,
+        streams_in: bool,
+        streams_out: bool,
     ) -> grpc.RpcMethodHandler:
         labels = (kind, service, method)
         received, sent = self.received.labels(*labels), self.sent.labels(*labels)
@@ -93,6 +107,7 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return counted()
 
         if streams_out:
+
             async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 with self._observe(labels, context):
                     async for response in inner(count_in(request), context):
@@ -100,8 +115,11 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                         yield response
 
             make = grpc.stream_stream_rpc_method_handler if streams_in else grpc.unary_stream_rpc_method_handler
-            return make(stream_handler, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
+            return make(
+                stream_handler,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
 
         async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with self._observe(labels, context):
@@ -110,8 +128,11 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 return response
 
         make = grpc.stream_unary_rpc_method_handler if streams_in else grpc.unary_unary_rpc_method_handler
-        return make(unary_handler, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return make(
+            unary_handler,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     def _observe(self, labels: tuple[str, str, str], context: grpc.aio.ServicerContext) -> _Observation:
         return _Observation(self, labels, context)
@@ -120,7 +141,9 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 class _Observation:
     """Counts the start on entry; on exit the duration and the status code the client got."""
 
-    def __init__(self, owner: GrpcMetricsInterceptor, labels: tuple[str, str, str], context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self, owner: GrpcMetricsInterceptor, labels: tuple[str, str, str], context: grpc.aio.ServicerContext
+    ) -> None:
         self.owner, self.labels, self.context = owner, labels, context
 
     def __enter__(self) -> None:

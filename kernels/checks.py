@@ -90,7 +90,9 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         fail(name, f"expected shape {shape}, got {tuple(t.shape)}")
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
     """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as q."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, c, 4, (dtype,), device=None)

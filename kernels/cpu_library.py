@@ -34,8 +34,26 @@ _VARIANT_FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-D
 _P = c_void_p
 # C signatures of every entry point; each exists for f32 and bf16 (suffix).
 SIGNATURES: dict[str, list[type]] = {
-    "paged_attention": [_P, c_int64, _P, _P, _P, c_int64, _P, _P, _P, c_int, c_int, c_int, c_int, c_int, c_float,
-                        _P, c_int64, c_int],
+    "paged_attention": [
+        _P,
+        c_int64,
+        _P,
+        _P,
+        _P,
+        c_int64,
+        _P,
+        _P,
+        _P,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_float,
+        _P,
+        c_int64,
+        c_int,
+    ],
     "rms_norm": [_P, c_int64, _P, c_int64, _P, c_float, _P, c_int64, c_int64, c_int, c_int],
     "rotary": [_P, c_int64, c_int, _P, c_int64, c_int, c_int, _P, _P, _P, c_int64, c_int],
     "store_kv": [_P, c_int64, _P, c_int64, _P, _P, _P, c_int64, c_int64, c_int],

@@ -14,8 +14,6 @@ the model's torch path makes, the layers of `worker_svc` themselves.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels.checks import check_cache, check_shape, check_tensor, fail
@@ -81,21 +79,44 @@ class CpuKernels:
             out = torch.empty(tokens, num_heads, head_dim, dtype=dtype)
         i32 = torch.int32
         if not (
-            dtype in _SUFFIX and _heads(q, dtype, tokens, head_dim) and _heads(out, dtype, tokens, head_dim)
-            and out.shape[1] == num_heads and head_dim in ATTENTION_HEAD_DIMS
-            and num_kv_heads and num_heads % num_kv_heads == 0
-            and _dense(k_cache, dtype, k_cache.shape) and k_cache.shape[3] == head_dim
-            and _dense(v_cache, dtype, k_cache.shape) and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0
-            and block_tables.dtype is i32 and block_tables.is_cpu and block_tables.is_contiguous()
-            and _dense(query_start, i32, (num_seqs,)) and _dense(query_lens, i32, (num_seqs,))
+            dtype in _SUFFIX
+            and _heads(q, dtype, tokens, head_dim)
+            and _heads(out, dtype, tokens, head_dim)
+            and out.shape[1] == num_heads
+            and head_dim in ATTENTION_HEAD_DIMS
+            and num_kv_heads
+            and num_heads % num_kv_heads == 0
+            and _dense(k_cache, dtype, k_cache.shape)
+            and k_cache.shape[3] == head_dim
+            and _dense(v_cache, dtype, k_cache.shape)
+            and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0
+            and block_tables.dtype is i32
+            and block_tables.is_cpu
+            and block_tables.is_contiguous()
+            and _dense(query_start, i32, (num_seqs,))
+            and _dense(query_lens, i32, (num_seqs,))
             and _dense(seq_lens, i32, (num_seqs,))
         ):
             self._explain_attention(q, k_cache, v_cache, block_tables, query_start, query_lens, seq_lens, out)
         if num_seqs and tokens:
             status = self._fns["paged_attention", dtype](
-                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), query_start.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(), num_seqs,
-                num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0),
+                q.data_ptr(),
+                q.stride(0),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                block_tables.data_ptr(),
+                block_tables.stride(0),
+                query_start.data_ptr(),
+                query_lens.data_ptr(),
+                seq_lens.data_ptr(),
+                num_seqs,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                k_cache.shape[1],
+                scale,
+                out.data_ptr(),
+                out.stride(0),
                 torch.get_num_threads(),
             )
             if status != 0:
@@ -104,8 +125,14 @@ class CpuKernels:
 
     @staticmethod
     def _explain_attention(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor,
     ) -> None:
         check_tensor("q", q, 3, CPU_DTYPES, device=_CPU)
         tokens, num_heads, head_dim = q.shape
@@ -125,8 +152,12 @@ class CpuKernels:
         for name, t in (("query_start", query_start), ("query_lens", query_lens), ("seq_lens", seq_lens)):
             check_tensor(name, t, 1, (torch.int32,), device=_CPU)
             check_shape(name, t, (num_seqs,))
-        for name, t in (("block_tables", block_tables), ("query_start", query_start), ("query_lens", query_lens),
-                        ("seq_lens", seq_lens)):
+        for name, t in (
+            ("block_tables", block_tables),
+            ("query_start", query_start),
+            ("query_lens", query_lens),
+            ("seq_lens", seq_lens),
+        ):
             if not t.is_contiguous():
                 fail(name, "must be contiguous")
         check_tensor("out", out, 3, (q.dtype,), device=_CPU)
@@ -144,7 +175,9 @@ class CpuKernels:
         """
         dtype = x.dtype
         if not (
-            dtype in _SUFFIX and _rows(x, dtype, 2) and _dense(weight, dtype, (x.shape[1],))
+            dtype in _SUFFIX
+            and _rows(x, dtype, 2)
+            and _dense(weight, dtype, (x.shape[1],))
             and (residual is None or (_rows(residual, dtype, 2) and residual.shape == x.shape))
         ):
             check_tensor("x", x, 2, CPU_DTYPES, device=_CPU)
@@ -157,14 +190,27 @@ class CpuKernels:
         out = torch.empty(tokens, hidden, dtype=dtype)
         if tokens:
             self._fns["rms_norm", dtype](
-                x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                0 if residual is None else residual.stride(0), weight.data_ptr(), eps, out.data_ptr(), hidden,
-                tokens, hidden, torch.get_num_threads(),
+                x.data_ptr(),
+                x.stride(0),
+                None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0),
+                weight.data_ptr(),
+                eps,
+                out.data_ptr(),
+                hidden,
+                tokens,
+                hidden,
+                torch.get_num_threads(),
             )
         return out, (x if residual is None else residual)
 
     def rotary(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         bounds_checked: bool = False,
     ) -> None:
         """Neox-style rotary embedding of q [tokens, heads, d] and k [tokens, kv_heads, d], in
@@ -175,9 +221,14 @@ class CpuKernels:
         dtype = q.dtype
         tokens, num_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
         if not (
-            dtype in _SUFFIX and head_dim % 2 == 0 and _heads(q, dtype, tokens, head_dim)
-            and _heads(k, dtype, tokens, head_dim) and _dense(positions, torch.int64, (tokens,))
-            and _dense(cos, dtype, cos.shape) and cos.dim() == 2 and cos.shape[1] == head_dim // 2
+            dtype in _SUFFIX
+            and head_dim % 2 == 0
+            and _heads(q, dtype, tokens, head_dim)
+            and _heads(k, dtype, tokens, head_dim)
+            and _dense(positions, torch.int64, (tokens,))
+            and _dense(cos, dtype, cos.shape)
+            and cos.dim() == 2
+            and cos.shape[1] == head_dim // 2
             and _dense(sin, dtype, cos.shape)
         ):
             self._explain_rotary(q, k, positions, cos, sin)
@@ -185,12 +236,24 @@ class CpuKernels:
             fail("positions", f"outside the table of {cos.shape[0]} positions")
         if tokens:
             self._fns["rotary", dtype](
-                q.data_ptr(), q.stride(0), num_heads, k.data_ptr(), k.stride(0), k.shape[1], head_dim,
-                positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, torch.get_num_threads(),
+                q.data_ptr(),
+                q.stride(0),
+                num_heads,
+                k.data_ptr(),
+                k.stride(0),
+                k.shape[1],
+                head_dim,
+                positions.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                tokens,
+                torch.get_num_threads(),
             )
 
     @staticmethod
-    def _explain_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def _explain_rotary(
+        q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         check_tensor("q", q, 3, CPU_DTYPES, device=_CPU)
         tokens, _, head_dim = q.shape
         check_tensor("k", k, 3, (q.dtype,), device=_CPU)
@@ -213,8 +276,13 @@ class CpuKernels:
             fail("sin", f"shape {tuple(sin.shape)} differs from cos {tuple(cos.shape)}")
 
     def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, bounds_checked: bool = False,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        bounds_checked: bool = False,
     ) -> None:
         """key/value [tokens, kv_heads, d] into the caches at slot_mapping (int64, -1 = skip).
 
@@ -222,9 +290,14 @@ class CpuKernels:
         dtype = key.dtype
         tokens, num_kv_heads, head_dim = key.shape if key.dim() == 3 else (0, 0, 0)
         if not (
-            dtype in _SUFFIX and _heads(key, dtype, tokens, head_dim) and _heads(value, dtype, tokens, head_dim)
-            and value.shape == key.shape and k_cache.dim() == 4 and k_cache.shape[2:] == key.shape[1:]
-            and _dense(k_cache, dtype, k_cache.shape) and _dense(v_cache, dtype, k_cache.shape)
+            dtype in _SUFFIX
+            and _heads(key, dtype, tokens, head_dim)
+            and _heads(value, dtype, tokens, head_dim)
+            and value.shape == key.shape
+            and k_cache.dim() == 4
+            and k_cache.shape[2:] == key.shape[1:]
+            and _dense(k_cache, dtype, k_cache.shape)
+            and _dense(v_cache, dtype, k_cache.shape)
             and _dense(slot_mapping, torch.int64, (tokens,))
         ):
             check_tensor("key", key, 3, CPU_DTYPES, device=_CPU)
@@ -246,8 +319,16 @@ class CpuKernels:
             fail("slot_mapping", f"slot outside the cache of {slots} slots")
         if tokens:
             self._fns["store_kv", dtype](
-                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                slot_mapping.data_ptr(), tokens, num_kv_heads * head_dim, torch.get_num_threads(),
+                key.data_ptr(),
+                key.stride(0),
+                value.data_ptr(),
+                value.stride(0),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                slot_mapping.data_ptr(),
+                tokens,
+                num_kv_heads * head_dim,
+                torch.get_num_threads(),
             )
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,8 +341,9 @@ class CpuKernels:
         d = width // 2
         out = torch.empty(tokens, d, dtype=dtype)
         if tokens:
-            self._fns["silu_and_mul", dtype](x.data_ptr(), x.stride(0), out.data_ptr(), d, tokens, d,
-                                             torch.get_num_threads())
+            self._fns["silu_and_mul", dtype](
+                x.data_ptr(), x.stride(0), out.data_ptr(), d, tokens, d, torch.get_num_threads()
+            )
         return out
 
     def logits_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,8 +359,15 @@ class CpuKernels:
         argmax = torch.empty(rows, dtype=torch.int64)
         lse = torch.empty(rows, dtype=torch.float32)
         if rows:
-            self._fns["logits_stats", logits.dtype](logits.data_ptr(), logits.stride(0), rows, vocab, argmax.data_ptr(),
-                                                    lse.data_ptr(), torch.get_num_threads())
+            self._fns["logits_stats", logits.dtype](
+                logits.data_ptr(),
+                logits.stride(0),
+                rows,
+                vocab,
+                argmax.data_ptr(),
+                lse.data_ptr(),
+                torch.get_num_threads(),
+            )
         return argmax, lse
 
 

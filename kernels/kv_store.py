@@ -24,11 +24,24 @@ from kernels.checks import (
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch,
-    stride_vcb, stride_vct, stride_vch,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # Both the token's row and the slot's block (slot is int64) are offset in int64: a step's
     # keys and a layer's cache can each hold more than 2^31 elements.
@@ -62,11 +75,24 @@ def store_kv(
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pow2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
     )
 
 

@@ -49,13 +49,20 @@ def max_tokens_per_step(
     The shape is one rank's share under tensor parallelism or the whole model: a whole model
     gives the smaller (safe) answer.
     """
-    for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("intermediate_size", intermediate_size), ("block_size", block_size)):
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("intermediate_size", intermediate_size),
+        ("block_size", block_size),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
     # The smallest query tile any dtype uses makes the most tiles.
-    tile_m = min(prefill_launch(head_dim, dtype, on_gpu=True).rows
-                 for dtype in (torch.float32, torch.float16, torch.bfloat16))
+    tile_m = min(
+        prefill_launch(head_dim, dtype, on_gpu=True).rows for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
     row_offsets = (
         pow2(hidden_size),
         2 * (-(-intermediate_size // SILU_BLOCK) * SILU_BLOCK),

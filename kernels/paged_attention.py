@@ -60,17 +60,35 @@ def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    acc_ptr, max_ptr, sum_ptr,
-    scale, tokens_per_split,
-    stride_qs, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    scale,
+    tokens_per_split,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    num_heads, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    num_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # int64 from the start: seq * stride_qs and the [S, H, P, D] workspace index pass 2^31 for
     # big batches of wide models; the per-sequence values below stay int32.
@@ -87,8 +105,11 @@ def _decode_partial_kernel(
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, HEAD_DIM_PAD]
     if not NATIVE_DOT:
         q = q.to(tl.float32)
 
@@ -98,9 +119,24 @@ def _decode_partial_kernel(
     for tile_start in range(start, end, TILE):
         tok = tile_start + offs_t
         t_mask = tok < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tok, t_mask, kv_head,
-                            offs_d, d_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                            BLOCK_SIZE=BLOCK_SIZE, NATIVE_DOT=NATIVE_DOT)
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            tok,
+            t_mask,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            BLOCK_SIZE=BLOCK_SIZE,
+            NATIVE_DOT=NATIVE_DOT,
+        )
         m, l, acc = attend_tile(q, k, v, t_mask[None, :], m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
 
     part = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD] index into [S, H, P]
@@ -111,10 +147,17 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr,
-    stride_os, stride_oh,
-    num_heads, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    num_heads,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)  # see _decode_partial_kernel
     head = tl.program_id(1)
@@ -128,7 +171,9 @@ def _decode_merge_kernel(
     m_all = tl.max(m, 0)
     # Empty splits carry max = -inf: exp(-inf - m_all) = 0 removes them from both sums.
     w = tl.where(l > 0, tl.exp(m - m_all), 0.0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.load(
+        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0
+    )
     total = tl.sum(w * l, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -186,30 +231,61 @@ def paged_decode_attention(
     parts = num_seqs * num_heads * splits
     acc, maxes, sums = workspace(q.device, parts * head_dim, parts, parts)
     _decode_partial_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        acc, maxes, sums,
-        scale, per_split,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        acc,
+        maxes,
+        sums,
+        scale,
+        per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        num_heads, splits,
-        GROUP=group, GROUP_PAD=launch.rows,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=block_size, TILE=launch.keys, NATIVE_DOT=native_dot(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        num_heads,
+        splits,
+        GROUP=group,
+        GROUP_PAD=launch.rows,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pow2(head_dim, 16),
+        BLOCK_SIZE=block_size,
+        TILE=launch.keys,
+        NATIVE_DOT=native_dot(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
-        acc, maxes, sums, out,
-        out.stride(0), out.stride(1),
-        num_heads, splits,
-        SPLITS_PAD=pow2(splits, 2), HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
+        acc,
+        maxes,
+        sums,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        splits,
+        SPLITS_PAD=pow2(splits, 2),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pow2(head_dim, 16),
     )
     return out
 
 
 def paged_decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """float32 reference: gather each sequence's tokens and attend with plain softmax."""
     num_seqs, num_heads, head_dim = q.shape

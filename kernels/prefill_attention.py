@@ -64,14 +64,33 @@ def prefill_launch(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Launch:
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
-    scale, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -105,8 +124,9 @@ def _prefill_kernel(
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     offs_r = tl.arange(0, TILE_M)
-    q = tl.load(q_tile_ptr + offs_r[:, None] * stride_qt + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_M, HEAD_DIM_PAD]
+    q = tl.load(
+        q_tile_ptr + offs_r[:, None] * stride_qt + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0
+    )  # [TILE_M, HEAD_DIM_PAD]
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     q_pos = ctx + offs_m  # position of each query row
@@ -121,15 +141,33 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n
         t_mask = tok < kv_end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, tok, t_mask, kv_head,
-                            offs_d, d_mask, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                            BLOCK_SIZE=BLOCK_SIZE, NATIVE_DOT=NATIVE_DOT)
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            tok,
+            t_mask,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            BLOCK_SIZE=BLOCK_SIZE,
+            NATIVE_DOT=NATIVE_DOT,
+        )
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
         m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_tile_ptr + offs_r[:, None] * stride_ot + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_tile_ptr + offs_r[:, None] * stride_ot + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
 def paged_prefill_attention(
@@ -154,15 +192,36 @@ def paged_prefill_attention(
     launch = prefill_launch(head_dim, q.dtype, q.is_cuda)
     grid = (total // launch.rows + num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=k_cache.shape[1], TILE_M=launch.rows, TILE_N=launch.keys, NATIVE_DOT=native_dot(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pow2(head_dim, 16),
+        BLOCK_SIZE=k_cache.shape[1],
+        TILE_M=launch.rows,
+        TILE_N=launch.keys,
+        NATIVE_DOT=native_dot(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
 
@@ -186,8 +245,18 @@ def paged_prefill_attention_reference(
         if b == a:
             continue
         blocks = block_tables[i, : -(-n // block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(num_heads // num_kv_heads, 1)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        k = (
+            k_cache[blocks]
+            .reshape(-1, num_kv_heads, head_dim)[:n]
+            .float()
+            .repeat_interleave(num_heads // num_kv_heads, 1)
+        )
+        v = (
+            v_cache[blocks]
+            .reshape(-1, num_kv_heads, head_dim)[:n]
+            .float()
+            .repeat_interleave(num_heads // num_kv_heads, 1)
+        )
         pos = torch.arange(n - (b - a), n, device=q.device)
         visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]  # [q, n]
         scores = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale

@@ -18,10 +18,19 @@ from kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, pow2
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    stride_x, stride_r, stride_o, stride_nr,
-    hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 at ~262k tokens of hidden 8192
     offs = tl.arange(0, BLOCK)
@@ -54,10 +63,19 @@ def rms_norm(
     new_residual = torch.empty_like(x) if residual is not None else x
     if tokens:
         _rms_norm_kernel[(tokens,)](
-            x, residual if residual is not None else x, weight, out, new_residual,
-            x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), new_residual.stride(0),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=pow2(hidden),
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            new_residual,
+            x.stride(0),
+            (residual if residual is not None else x).stride(0),
+            out.stride(0),
+            new_residual.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=pow2(hidden),
         )
     return out, new_residual
 

@@ -32,10 +32,22 @@ def _rotate_heads(ptr, stride_h, num_heads, cos, sin, offs_h, offs_d, HALF: tl.c
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # token * stride passes 2^31 at ~350k tokens of a 6144-wide qkv row
     pos = tl.load(positions_ptr + token)
@@ -44,10 +56,14 @@ def _rotary_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, tl.arange(0, HEADS_PAD), offs_d, HALF)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, tl.arange(0, KV_HEADS_PAD), offs_d, HALF)
+    _rotate_heads(
+        k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, tl.arange(0, KV_HEADS_PAD), offs_d, HALF
+    )
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], rotated in place.
 
     positions: int64 [tokens]; cos, sin: [max_position, head_dim / 2].
@@ -70,10 +86,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     if tokens == 0:
         return
     _rotary_kernel[(tokens,)](
-        q, k, positions, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        num_heads, k.shape[1],
-        HALF=head_dim // 2, HALF_PAD=pow2(head_dim // 2), HEADS_PAD=pow2(num_heads), KV_HEADS_PAD=pow2(k.shape[1]),
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        num_heads,
+        k.shape[1],
+        HALF=head_dim // 2,
+        HALF_PAD=pow2(head_dim // 2),
+        HEADS_PAD=pow2(num_heads),
+        KV_HEADS_PAD=pow2(k.shape[1]),
     )
 
 

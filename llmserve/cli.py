@@ -1,11 +1,11 @@
 """`llmserve`: the entry point (the only place that reads flags and environment).
 
-    llmserve up          scheduler + one worker on this machine, OpenAI HTTP in front (what `make run` starts)
-    llmserve scheduler   the scheduler service alone, driving a worker at --worker
-    llmserve worker      one worker service alone
-    llmserve gateway     the OpenAI HTTP API (smg) over one or more running schedulers
-    llmserve generate    stream one generation from a running service to the terminal
-    llmserve prepare-model   download and convert the default model into the cache
+llmserve up          scheduler + one worker on this machine, OpenAI HTTP in front (what `make run` starts)
+llmserve scheduler   the scheduler service alone, driving a worker at --worker
+llmserve worker      one worker service alone
+llmserve gateway     the OpenAI HTTP API (smg) over one or more running schedulers
+llmserve generate    stream one generation from a running service to the terminal
+llmserve prepare-model   download and convert the default model into the cache
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ log = structlog.get_logger("llmserve")
 
 # ---- flags ----
 
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2-135M-Instruct)"
+    )
 
 
 def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -65,7 +68,9 @@ def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port; 0 = off (default)")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0,
+        "--drain-timeout",
+        type=float,
+        default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish while new ones are refused (default 30)",
     )
 
@@ -74,7 +79,8 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument(
-        "--tls-client-ca", default=None,
+        "--tls-client-ca",
+        default=None,
         help="PEM CA bundle: require client certificates signed by it (mutual TLS; needs --tls-cert)",
     )
     p.add_argument("--no-reflection", action="store_true", help="do not serve gRPC reflection (health stays on)")
@@ -82,45 +88,59 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_worker_tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--worker-tls-ca", default=None,
+        "--worker-tls-ca",
+        default=None,
         help="PEM CA bundle the worker's certificate must chain to; any --worker-tls-* flag turns TLS to the worker on",
     )
-    p.add_argument("--worker-tls-cert", default=None, help="PEM client certificate for a worker that demands one (mutual TLS)")
+    p.add_argument(
+        "--worker-tls-cert", default=None, help="PEM client certificate for a worker that demands one (mutual TLS)"
+    )
     p.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
     p.add_argument(
-        "--worker-tls-server-name", default=None,
+        "--worker-tls-server-name",
+        default=None,
         help="name the worker's certificate is checked against, when it differs from the --worker host",
     )
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)"
-    )
-    p.add_argument(
-        "--max-queue-len", type=int, default=1024,
+        "--max-queue-len",
+        type=int,
+        default=1024,
         help="waiting requests before new ones get RESOURCE_EXHAUSTED (default 1024)",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of earlier prompts")
     p.add_argument(
-        "--preemption-mode", choices=PREEMPTION_MODES, default="auto",
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="auto",
         help="how preempted requests give back KV blocks; auto = the cheaper of swap and recompute",
     )
     p.add_argument(
-        "--swap-bandwidth-gbps", type=float, default=16.0,
+        "--swap-bandwidth-gbps",
+        type=float,
+        default=16.0,
         help="host<->device copy bandwidth the swap cost assumes, GB/s (default 16)",
     )
     p.add_argument(
-        "--recompute-tokens-per-s", type=float, default=8000.0,
+        "--recompute-tokens-per-s",
+        type=float,
+        default=8000.0,
         help="prefill speed the recompute cost assumes, tokens/s (default 8000)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt accepted; 0 = up to the context")
     p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request (default 16)")
     p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (default 20)")
-    p.add_argument("--max-n", type=int, default=16, help="most outputs, best_of candidates or beams per request (default 16)")
     p.add_argument(
-        "--no-plan-ahead", dest="plan_ahead", action="store_false",
+        "--max-n", type=int, default=16, help="most outputs, best_of candidates or beams per request (default 16)"
+    )
+    p.add_argument(
+        "--no-plan-ahead",
+        dest="plan_ahead",
+        action="store_false",
         help="plan each step only after the previous step's result (default: plan it while that step runs)",
     )
 
@@ -130,45 +150,67 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
-    p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="memory the KV pool may take (CPU default: 2, or 30%% of the available memory if less)")
     p.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9,
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="memory the KV pool may take (CPU default: 2, or 30%% of the available memory if less)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
         help="on CUDA, the share of the device's memory weights, the heaviest step and the KV pool may take (default 0.9)",
     )
     p.add_argument(
-        "--swap-space-gb", type=float, default=None,
+        "--swap-space-gb",
+        type=float,
+        default=None,
         help="host memory (pinned on CUDA) that holds preempted sequences' KV blocks (default: 4 with CUDA, "
-             "1 on CPU, or 10%% of the available memory if less; 0 = no swapping)",
+        "1 on CPU, or 10%% of the available memory if less; 0 = no swapping)",
     )
-    p.add_argument("--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)")
     p.add_argument(
-        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        "--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)"
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
         help="worker kernels: auto = triton on CUDA, cpu (our C++ kernels, built on first use) on CPU; torch = the reference",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)")
     p.add_argument(
-        "--enforce-eager", action="store_true",
+        "--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)"
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
         help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at start)",
     )
     p.add_argument(
-        "--profile-steps", action="store_true",
+        "--profile-steps",
+        action="store_true",
         help="time each step by part (linears, attention, sampling, ...) into the scheduler's "
         "llmserve:step_part_seconds metric; costs a little speed (on CUDA a device sync per part)",
     )
     p.add_argument(
-        "--dist-timeout", type=float, default=60.0,
+        "--dist-timeout",
+        type=float,
+        default=60.0,
         help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
     )
 
 
 def _add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
         help=f"port of the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models; default {DEFAULT_HTTP_PORT})",
     )
     p.add_argument(
-        "--http-metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        "--http-metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
         help=f"Prometheus port of the HTTP gateway (smg_* metrics; default {DEFAULT_METRICS_PORT})",
     )
 
@@ -208,9 +250,13 @@ def _at_most_one(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="llmserve", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = argparse.ArgumentParser(
+        prog="llmserve", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     root.add_argument(
-        "--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"],
+        "--log-level",
+        default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
         help="least severe log lines shown (default info, or LLMSERVE_LOG_LEVEL); JSON when stderr is not a "
         "terminal, or as LLMSERVE_LOG_JSON=1/0 says",
     )
@@ -218,7 +264,9 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run the scheduler and its workers locally")
     up.add_argument(
-        "--workers", type=int, default=1,
+        "--workers",
+        type=int,
+        default=1,
         help="worker groups (data parallel), each with its own KV cache; with CUDA, group i takes the next --tp GPUs",
     )
     _add_model_flags(up)
@@ -227,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_scheduler_flags(up)
     _add_worker_flags(up)
     up.add_argument(
-        "--no-http", action="store_true",
+        "--no-http",
+        action="store_true",
         help="serve gRPC only: do not start the OpenAI HTTP gateway (smg) in front of the scheduler",
     )
     _add_http_flags(up)
@@ -238,19 +287,27 @@ def _parser() -> argparse.ArgumentParser:
     _add_security_flags(sched)
     _add_scheduler_flags(sched)
     sched.add_argument(
-        "--worker", action="append", default=[],
+        "--worker",
+        action="append",
+        default=[],
         help="worker address, e.g. 127.0.0.1:50052 or unix:///path.sock; a tensor-parallel group: its ranks' "
         "addresses, comma-separated, in rank order. Repeat it for several groups (data parallel). Without it, "
         "workers register themselves (llmserve worker --scheduler HOST:PORT)",
     )
     sched.add_argument(
-        "--block-size", type=int, default=0,
+        "--block-size",
+        type=int,
+        default=0,
         help="tokens per KV block every worker must use; 0 = the first worker's (default), later ones must match",
     )
     _add_worker_tls_flags(sched)
-    sched.add_argument("--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost")
     sched.add_argument(
-        "--worker-health-interval", type=float, default=5.0,
+        "--step-timeout", type=float, default=600.0, help="seconds a step may take before the worker counts as lost"
+    )
+    sched.add_argument(
+        "--worker-health-interval",
+        type=float,
+        default=5.0,
         help="seconds between gRPC health checks of each connected worker; 3 failures in a row and it counts as lost "
         "(default 5; 0 = off)",
     )
@@ -260,24 +317,31 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:///path)")
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step to profile memory for")
     worker.add_argument(
-        "--max-num-seqs", type=int, default=256,
+        "--max-num-seqs",
+        type=int,
+        default=256,
         help="largest decode batch to capture a CUDA graph for (the scheduler's --max-num-seqs; default 256)",
     )
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
     worker.add_argument(
-        "--scheduler", default="",
+        "--scheduler",
+        default="",
         help="register with the scheduler at HOST:PORT and serve it for as long as this worker runs",
     )
     worker.add_argument("--advertise", default="", help="address the scheduler dials (default: --listen)")
     worker.add_argument(
-        "--scheduler-tls-ca", default=None,
+        "--scheduler-tls-ca",
+        default=None,
         help="PEM CA bundle the scheduler's certificate must chain to; any --scheduler-tls-* flag registers over TLS",
     )
-    worker.add_argument("--scheduler-tls-cert", default=None, help="PEM client certificate for a scheduler that demands one")
+    worker.add_argument(
+        "--scheduler-tls-cert", default=None, help="PEM client certificate for a scheduler that demands one"
+    )
     worker.add_argument("--scheduler-tls-key", default=None, help="PEM private key of --scheduler-tls-cert")
     worker.add_argument(
-        "--scheduler-tls-server-name", default=None,
+        "--scheduler-tls-server-name",
+        default=None,
         help="name the scheduler's certificate is checked against, when it differs from the --scheduler host",
     )
     worker.add_argument("--group", default="", help=argparse.SUPPRESS)
@@ -289,51 +353,83 @@ def _parser() -> argparse.ArgumentParser:
     _add_worker_flags(worker)
 
     gen = sub.add_parser(
-        "generate", help="stream one generation from a running service",
+        "generate",
+        help="stream one generation from a running service",
         description="Stream one generation from a running llmserve (llmserve.v1.Generation) to the terminal; "
         "the text goes to stdout, token counts and the finish reason to stderr.",
     )
     gen.add_argument("prompt", help="the prompt text; with --chat, the user's message")
-    gen.add_argument("--address", default="127.0.0.1:50051", help="the scheduler's gRPC address (default 127.0.0.1:50051)")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
+    gen.add_argument(
+        "--address", default="127.0.0.1:50051", help="the scheduler's gRPC address (default 127.0.0.1:50051)"
+    )
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message through the model's chat template"
+    )
     gen.add_argument("--system", default=None, help="with --chat: a system message before the user's")
-    gen.add_argument("--max-tokens", type=_at_least(0, int), default=128,
-                     help="tokens to generate at most (default 128; 0 = up to the end of the context)")
+    gen.add_argument(
+        "--max-tokens",
+        type=_at_least(0, int),
+        default=128,
+        help="tokens to generate at most (default 128; 0 = up to the end of the context)",
+    )
     gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0 (default) = greedy")
-    gen.add_argument("--top-p", type=_at_most_one, default=0.0, help="nucleus sampling mass in (0, 1]; 0 (default) = off")
-    gen.add_argument("--top-k", type=_at_least(0, int), default=0, help="sample among the k likeliest tokens; 0 (default) = off")
+    gen.add_argument(
+        "--top-p", type=_at_most_one, default=0.0, help="nucleus sampling mass in (0, 1]; 0 (default) = off"
+    )
+    gen.add_argument(
+        "--top-k", type=_at_least(0, int), default=0, help="sample among the k likeliest tokens; 0 (default) = off"
+    )
     gen.add_argument("--seed", type=_at_least(0, int), default=None, help="makes sampling repeatable")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text; repeat for several")
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop at this text; repeat for several"
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
     gw = sub.add_parser("gateway", help="run the OpenAI HTTP API (smg) over one or more running schedulers")
     gw.add_argument(
-        "--scheduler", action="append", default=[], metavar="HOST:PORT",
+        "--scheduler",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
         help="a scheduler's gRPC address to route requests to; repeat it for several",
     )
-    gw.add_argument("--host", default="127.0.0.1", help="address the HTTP API and its metrics listen on (default 127.0.0.1)")
+    gw.add_argument(
+        "--host", default="127.0.0.1", help="address the HTTP API and its metrics listen on (default 127.0.0.1)"
+    )
     _add_http_flags(gw)
     gw.add_argument(
-        "--policy", choices=POLICIES, default="cache_aware",
+        "--policy",
+        choices=POLICIES,
+        default="cache_aware",
         help="how a request picks its scheduler; cache_aware (default) = the one whose prefix cache holds the "
         "longest part of the prompt, unless it is much busier than the others",
     )
     gw.add_argument(
-        "--model-path", default=None, metavar="DIR",
+        "--model-path",
+        default=None,
+        metavar="DIR",
         help="model directory the gateway reads the tokenizer and chat template from (default: fetched from a scheduler)",
     )
     gw.add_argument(
-        "--drain-timeout", type=float, default=30.0,
+        "--drain-timeout",
+        type=float,
+        default=30.0,
         help="on SIGTERM, seconds in-flight HTTP requests get to finish (default 30)",
     )
     gw.add_argument(
-        "--k8s-selector", action="append", default=[], metavar="KEY=VALUE",
+        "--k8s-selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="instead of --scheduler: route to the Kubernetes pods that carry this label (repeat: all must match), "
         "found and followed with the Kubernetes API (needs list/watch on pods)",
     )
-    gw.add_argument("--k8s-port", type=int, default=50051, help="gRPC port of the discovered scheduler pods (default 50051)")
     gw.add_argument(
-        "--k8s-namespace", default=None,
+        "--k8s-port", type=int, default=50051, help="gRPC port of the discovered scheduler pods (default 50051)"
+    )
+    gw.add_argument(
+        "--k8s-namespace",
+        default=None,
         help="namespace to watch for scheduler pods (default: every namespace, which needs cluster-wide permissions)",
     )
 
@@ -342,6 +438,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ---- commands ----
+
 
 def cache_root() -> Path:
     """Where prepared models live: $LLMSERVE_CACHE, else ~/.cache/llmserve."""
@@ -404,7 +501,11 @@ def _client_tls_config(a: argparse.Namespace, peer: str) -> TlsClientConfig | No
 
 def _server_config(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=a.host, port=a.port, metrics_port=a.metrics_port, tls=_tls_config(a), reflection=not a.no_reflection,
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        tls=_tls_config(a),
+        reflection=not a.no_reflection,
         drain_timeout=a.drain_timeout,
     )
 
@@ -434,8 +535,11 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         dtype=a.dtype,
         device=a.device,
         cache=CacheConfig(
-            block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, kv_cache_gb=a.kv_cache_gb,
-            swap_space_gb=a.swap_space_gb, num_cpu_blocks=a.num_cpu_blocks,
+            block_size=a.block_size,
+            num_gpu_blocks=a.num_gpu_blocks,
+            kv_cache_gb=a.kv_cache_gb,
+            swap_space_gb=a.swap_space_gb,
+            num_cpu_blocks=a.num_cpu_blocks,
             gpu_memory_utilization=a.gpu_memory_utilization,
         ),
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -476,16 +580,37 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
 def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
     """The worker command line (without --listen) that carries this invocation's worker flags."""
     cmd = [
-        sys.executable, "-m", "llmserve.cli", "--log-level", a.log_level, "worker", "--model", model,
-        "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
-        "--attention-backend", a.attention_backend, "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-        "--max-num-seqs", str(a.max_num_seqs),
-        "--dist-timeout", str(a.dist_timeout),
-        "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "--log-level",
+        a.log_level,
+        "worker",
+        "--model",
+        model,
+        "--dtype",
+        a.dtype,
+        "--device",
+        a.device,
+        "--block-size",
+        str(a.block_size),
+        "--attention-backend",
+        a.attention_backend,
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--dist-timeout",
+        str(a.dist_timeout),
+        "--gpu-memory-utilization",
+        str(a.gpu_memory_utilization),
     ]
-    for flag, value in (("--num-gpu-blocks", a.num_gpu_blocks), ("--kv-cache-gb", a.kv_cache_gb),
-                        ("--swap-space-gb", a.swap_space_gb),
-                        ("--num-cpu-blocks", a.num_cpu_blocks)):
+    for flag, value in (
+        ("--num-gpu-blocks", a.num_gpu_blocks),
+        ("--kv-cache-gb", a.kv_cache_gb),
+        ("--swap-space-gb", a.swap_space_gb),
+        ("--num-cpu-blocks", a.num_cpu_blocks),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     if a.no_reflection:
@@ -516,8 +641,15 @@ def _run_rank_group(a: argparse.Namespace, model: str) -> None:
 
     _check_tp(model, a.tp)
     cmd = _worker_args(a, model)
-    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--scheduler-tls-ca", "--scheduler-tls-cert",
-                 "--scheduler-tls-key", "--scheduler-tls-server-name"):
+    for flag in (
+        "--tls-cert",
+        "--tls-key",
+        "--tls-client-ca",
+        "--scheduler-tls-ca",
+        "--scheduler-tls-cert",
+        "--scheduler-tls-key",
+        "--scheduler-tls-server-name",
+    ):
         value = getattr(a, flag.removeprefix("--").replace("-", "_"), None)
         if value:
             cmd += [flag, value]
@@ -547,8 +679,12 @@ def cmd_worker(a: argparse.Namespace) -> None:
     tls = _tls_config(a)
     model = _model_dir(a.model)
     server = WorkerServer(
-        _worker_config(a, model), a.listen, tls=tls, reflection=not a.no_reflection,
-        metrics_port=a.metrics_port, registrar=_registrar(a, model),
+        _worker_config(a, model),
+        a.listen,
+        tls=tls,
+        reflection=not a.no_reflection,
+        metrics_port=a.metrics_port,
+        registrar=_registrar(a, model),
     )
     _run_until_signal(lambda stop: _serve(server, stop))
     sys.exit(server.exit_code)
@@ -565,8 +701,13 @@ def _registrar(a: argparse.Namespace, model: str) -> Any:
     if host in ("0.0.0.0", "[::]", ""):
         raise ValueError(f"--listen {a.listen} is not an address the scheduler can dial: give --advertise HOST:PORT")
     return Registrar(
-        scheduler=a.scheduler, address=address, group=a.group or address, rank=a.rank or 0,
-        world_size=a.world_size or 1, model_name=Path(model).name, block_size=a.block_size,
+        scheduler=a.scheduler,
+        address=address,
+        group=a.group or address,
+        rank=a.rank or 0,
+        world_size=a.world_size or 1,
+        model_name=Path(model).name,
+        block_size=a.block_size,
         tls=_client_tls_config(a, "scheduler"),
     )
 
@@ -589,14 +730,21 @@ def _up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
     if a.no_http:
         return None
     if a.tls_cert is not None:
-        raise ValueError("--tls-cert: the HTTP gateway dials the scheduler in plaintext and cannot reach a TLS port; add --no-http")
+        raise ValueError(
+            "--tls-cert: the HTTP gateway dials the scheduler in plaintext and cannot reach a TLS port; add --no-http"
+        )
     taken = {a.port: "--port", **({a.metrics_port: "--metrics-port"} if a.metrics_port else {})}
     for flag, port in (("--http-port", a.http_port), ("--http-metrics-port", a.http_metrics_port)):
         if port in taken:
             raise ValueError(f"{flag} {port} is also {taken[port]}: give each its own port")
     return GatewayConfig(
-        schedulers=(dial_address(a.host, a.port or 1),), host=a.host, port=a.http_port,
-        metrics_port=a.http_metrics_port, shutdown_grace=a.drain_timeout, log_level=a.log_level, log_json=_log_json(),
+        schedulers=(dial_address(a.host, a.port or 1),),
+        host=a.host,
+        port=a.http_port,
+        metrics_port=a.http_metrics_port,
+        shutdown_grace=a.drain_timeout,
+        log_level=a.log_level,
+        log_json=_log_json(),
     )
 
 
@@ -608,11 +756,20 @@ def _gateway_config(a: argparse.Namespace) -> GatewayConfig:
             raise ValueError("--scheduler and --k8s-selector exclude each other: list the schedulers or discover them")
         discovery = KubernetesDiscovery(tuple(a.k8s_selector), a.k8s_port, a.k8s_namespace)
     elif not a.scheduler:
-        raise ValueError("llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE")
+        raise ValueError(
+            "llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE"
+        )
     return GatewayConfig(
-        schedulers=tuple(a.scheduler), discovery=discovery, host=a.host, port=a.http_port,
-        metrics_port=a.http_metrics_port, policy=a.policy, model_path=a.model_path, shutdown_grace=a.drain_timeout,
-        log_level=a.log_level, log_json=_log_json(),
+        schedulers=tuple(a.scheduler),
+        discovery=discovery,
+        host=a.host,
+        port=a.http_port,
+        metrics_port=a.http_metrics_port,
+        policy=a.policy,
+        model_path=a.model_path,
+        shutdown_grace=a.drain_timeout,
+        log_level=a.log_level,
+        log_json=_log_json(),
     )
 
 
@@ -657,7 +814,9 @@ def cmd_up(a: argparse.Namespace) -> None:
     commands, addresses = [], []
     for i in range(a.workers):
         address = f"unix://{sockdir}/worker-{i}.sock"
-        commands.append([*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)])
+        commands.append(
+            [*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
+        )
         if a.tp > 1:
             from llmserve.rank_group import rank_addresses
 
@@ -671,7 +830,9 @@ def cmd_up(a: argparse.Namespace) -> None:
         # Workers in sessions of their own: Ctrl-C in a terminal signals the whole foreground
         # process group, and a worker that stopped on it would be lost under a running step;
         # only `up` gets it, and drains like on SIGTERM.
-        workers = [Supervised(cmd, env=_gpu_share(i, a.tp, a.workers), own_session=True) for i, cmd in enumerate(commands)]
+        workers = [
+            Supervised(cmd, env=_gpu_share(i, a.tp, a.workers), own_session=True) for i, cmd in enumerate(commands)
+        ]
         server: SchedulerServer | None = None
         gateway: Gateway | None = None
         try:
@@ -721,7 +882,9 @@ def _gpu_share(index: int, tp: int, groups: int) -> dict[str, str] | None:
     devices = visible.split(",") if visible else [str(d) for d in range(groups * tp)]
     share = devices[index * tp : (index + 1) * tp]
     if len(share) < tp:
-        raise ValueError(f"--workers {groups} x --tp {tp} needs {groups * tp} GPUs, CUDA_VISIBLE_DEVICES lists {len(devices)}")
+        raise ValueError(
+            f"--workers {groups} x --tp {tp} needs {groups * tp} GPUs, CUDA_VISIBLE_DEVICES lists {len(devices)}"
+        )
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(share)}
 
 
@@ -759,14 +922,22 @@ def cmd_generate(a: argparse.Namespace) -> None:
     sys.stdout.write("\n")
     if last is not None:
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        print(f"[{last.prompt_tokens} prompt tokens, {last.completion_tokens} generated, finish: {reason}]", file=sys.stderr)
+        print(
+            f"[{last.prompt_tokens} prompt tokens, {last.completion_tokens} generated, finish: {reason}]",
+            file=sys.stderr,
+        )
 
 
 # The request fields `generate` sets, by the flag that sets them: the server's errors name fields.
 _GENERATE_FLAGS = {
-    "sampling.temperature": "--temperature", "sampling.top_p": "--top-p", "sampling.top_k": "--top-k",
-    "sampling.seed": "--seed", "stopping.max_tokens": "--max-tokens", "stopping.stop": "--stop",
-    "messages": "--chat", "prompt": "prompt",
+    "sampling.temperature": "--temperature",
+    "sampling.top_p": "--top-p",
+    "sampling.top_k": "--top-k",
+    "sampling.seed": "--seed",
+    "stopping.max_tokens": "--max-tokens",
+    "stopping.stop": "--stop",
+    "messages": "--chat",
+    "prompt": "prompt",
 }
 
 

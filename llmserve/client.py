@@ -145,9 +145,7 @@ class LlmserveClient:
         """Streams a generation; `params` are those of `generate_request`."""
         return self.stream(generate_request(prompt, **params), timeout=timeout)
 
-    def generate_text(
-        self, prompt: str = "", *, timeout: float | None = None, **params: Unpack[GenerateParams]
-    ) -> str:
+    def generate_text(self, prompt: str = "", *, timeout: float | None = None, **params: Unpack[GenerateParams]) -> str:
         """The whole text of output 0 of a generation."""
         return "".join(m.text for m in self.generate(prompt, timeout=timeout, **params) if m.index == 0)
 

@@ -138,12 +138,24 @@ def smg_command(config: GatewayConfig, executable: str) -> list[str]:
     """The `smg launch` command line for `config`. The metrics listener is always named: smg
     would otherwise open 0.0.0.0:29000, on every interface and the same port for every gateway."""
     cmd = [
-        executable, "launch", "--backend", "vllm",
-        "--host", config.host, "--port", str(config.port),
-        "--prometheus-host", config.host, "--prometheus-port", str(config.metrics_port),
-        "--policy", config.policy,
-        "--shutdown-grace-period-secs", str(math.ceil(config.shutdown_grace)),
-        "--log-level", _SMG_LOG_LEVELS[config.log_level],
+        executable,
+        "launch",
+        "--backend",
+        "vllm",
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--prometheus-host",
+        config.host,
+        "--prometheus-port",
+        str(config.metrics_port),
+        "--policy",
+        config.policy,
+        "--shutdown-grace-period-secs",
+        str(math.ceil(config.shutdown_grace)),
+        "--log-level",
+        _SMG_LOG_LEVELS[config.log_level],
     ]
     if config.log_json:
         cmd.append("--log-json")
@@ -172,9 +184,12 @@ class Gateway:
     def start(self) -> None:
         cfg = self.config
         log.info(
-            "gateway_starting", openai=f"{cfg.url}/v1", metrics=f"http://{_url_host(cfg.host)}:{cfg.metrics_port}/metrics",
+            "gateway_starting",
+            openai=f"{cfg.url}/v1",
+            metrics=f"http://{_url_host(cfg.host)}:{cfg.metrics_port}/metrics",
             schedulers=list(cfg.schedulers) or None,
-            discovery=" ".join(cfg.discovery.selector) if cfg.discovery else None, policy=cfg.policy,
+            discovery=" ".join(cfg.discovery.selector) if cfg.discovery else None,
+            policy=cfg.policy,
         )
         self.process.start()
 

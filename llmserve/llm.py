@@ -114,7 +114,9 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self._engine.tokenizer.encode(prompt)
         if not isinstance(prompt, Mapping) or len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
-            raise ValueError(f"prompts[{i}]: want a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, got {prompt!r}")
+            raise ValueError(
+                f"prompts[{i}]: want a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, got {prompt!r}"
+            )
         if "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError(f"prompts[{i}].prompt: want a string, got {prompt['prompt']!r}")
@@ -130,7 +132,11 @@ class LLM:
             raise ValueError(f"model {self._engine.model!r} has no chat template; use generate()")
         turns = []
         for j, turn in enumerate(conversation):
-            if not isinstance(turn, Mapping) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
+            if (
+                not isinstance(turn, Mapping)
+                or not isinstance(turn.get("content"), str)
+                or not isinstance(turn.get("role"), str)
+            ):
                 raise ValueError(f"messages[{i}][{j}]: want {{'role': str, 'content': str}} (text only), got {turn!r}")
             turns.append((turn["role"], turn["content"]))
         try:
@@ -157,8 +163,12 @@ class LLM:
         decode = self._engine.tokenizer.decode
         return [
             request_output(
-                req.request_id, text, list(req.prompt_token_ids), got,
-                stop_token_ids=frozenset(req.stop_token_ids), logprobs=p.logprobs is not None,
+                req.request_id,
+                text,
+                list(req.prompt_token_ids),
+                got,
+                stop_token_ids=frozenset(req.stop_token_ids),
+                logprobs=p.logprobs is not None,
                 prompt_logprobs=p.prompt_logprobs is not None,
                 decode=lambda t: decode([t], skip_special_tokens=False),
             )

@@ -89,7 +89,15 @@ class LocalEngine:
         links: list[WorkerLink] = []
         for i in range(a.workers):
             address = f"unix://{self.sockdir}/worker-{i}.sock"
-            cmd = [*cli._worker_args(a, args.model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
+            cmd = [
+                *cli._worker_args(a, args.model),
+                "--listen",
+                address,
+                "--parent-pid",
+                str(os.getpid()),
+                "--tp",
+                str(a.tp),
+            ]
             # A session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
             # interrupts the caller's generate, not the worker, which keeps serving the next call.
             worker = Supervised(cmd, env=cli._gpu_share(i, a.tp, a.workers), own_session=True)

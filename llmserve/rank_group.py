@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import time
-
 from collections.abc import Callable
 
 import structlog
@@ -54,22 +53,39 @@ class RankGroup:
             taken = {int(a.rsplit(":", 1)[1]) for a in self.addresses if not a.startswith("unix:")}
             clash = taken & set(range(metrics_port, metrics_port + world_size))
             if clash:
-                raise ValueError(f"--metrics-port {metrics_port}: ranks would serve metrics on their gRPC ports {sorted(clash)}")
+                raise ValueError(
+                    f"--metrics-port {metrics_port}: ranks would serve metrics on their gRPC ports {sorted(clash)}"
+                )
         self.init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         advertised = rank_addresses(advertise, world_size) if advertise else []
         self.commands = [
-            [*rank_cmd, "--listen", address, "--rank", str(r), "--world-size", str(world_size),
-             "--dist-init", self.init_method, "--parent-pid", str(os.getpid()),
-             *(["--metrics-port", str(metrics_port + r)] if metrics_port else []),
-             *(["--advertise", advertised[r]] if advertise else [])]
+            [
+                *rank_cmd,
+                "--listen",
+                address,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(world_size),
+                "--dist-init",
+                self.init_method,
+                "--parent-pid",
+                str(os.getpid()),
+                *(["--metrics-port", str(metrics_port + r)] if metrics_port else []),
+                *(["--advertise", advertised[r]] if advertise else []),
+            ]
             for r, address in enumerate(self.addresses)
         ]
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         self.procs = [subprocess.Popen(cmd) for cmd in self.commands]
-        log.info("rank_group_started", world_size=len(self.procs), addresses=",".join(self.addresses),
-                 pids=[p.pid for p in self.procs])
+        log.info(
+            "rank_group_started",
+            world_size=len(self.procs),
+            addresses=",".join(self.addresses),
+            pids=[p.pid for p in self.procs],
+        )
 
     def wait(self, stop_requested: Callable[[], bool]) -> int:
         """Until a rank exits or a stop is requested; then end every rank. Returns the exit code."""

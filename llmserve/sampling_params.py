@@ -45,7 +45,11 @@ class SamplingParams:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         if self.best_of is not None:
             _check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, "top_p", f"must lie in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"must be -1 or 0 (no limit) or positive, got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"must lie in [0, 1], got {self.min_p}")
@@ -54,7 +58,8 @@ class SamplingParams:
             _check(-2 <= value <= 2, name, f"must lie in [-2, 2], got {value}")
         _check(
             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty", f"must be > 0, got {self.repetition_penalty}",
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
         )
         if self.seed is not None:
             _check(0 <= self.seed < _SEED_LIMIT, "seed", f"must lie in [0, 2**64), got {self.seed}")
@@ -67,7 +72,8 @@ class SamplingParams:
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
             _check(
-                self.min_tokens <= self.max_tokens, "min_tokens",
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
         for name in ("logprobs", "prompt_logprobs"):
@@ -75,10 +81,15 @@ class SamplingParams:
             _check(value is None or value >= 0, name, f"must be >= 0, got {value}")
         for token, bias in (self.logit_bias or {}).items():
             _check(isinstance(token, int) and token >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
-            _check(math.isfinite(bias) and -100 <= bias <= 100, f"logit_bias[{token}]", f"must lie in [-100, 100], got {bias}")
+            _check(
+                math.isfinite(bias) and -100 <= bias <= 100,
+                f"logit_bias[{token}]",
+                f"must lie in [-100, 100], got {bias}",
+            )
         if self.truncate_prompt_tokens is not None:
             _check(
-                self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+                self.truncate_prompt_tokens >= 1,
+                "truncate_prompt_tokens",
                 f"must be at least 1, got {self.truncate_prompt_tokens}",
             )
 

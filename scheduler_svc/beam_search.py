@@ -76,8 +76,9 @@ class BeamSearch:
                     chosen.append((beam, token, score))
             elif rank < self.width:
                 generated = beam.num_output_tokens + 1
-                self._add(Hypothesis(score / generated**self.length_penalty, score,
-                                     (*beam.output_token_ids, token), reason))
+                self._add(
+                    Hypothesis(score / generated**self.length_penalty, score, (*beam.output_token_ids, token), reason)
+                )
         if not chosen:
             return BeamChoice([], True)
         done = False

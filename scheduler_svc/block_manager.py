@@ -383,7 +383,7 @@ class BlockManager:
             raise AssertionError("a sequence holds both device and host blocks")
         for seq_id, table in self._tables.items():
             row = self._array[self._rows[seq_id]]
-            if list(row[: len(table)]) != table or (row[len(table):] != -1).any():
+            if list(row[: len(table)]) != table or (row[len(table) :] != -1).any():
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")
 
 

@@ -25,7 +25,9 @@ def _raise(message: str) -> None:
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(source)
         self._special = special_tokens
@@ -50,7 +52,8 @@ class ChatTemplate:
         special = {
             k: v if isinstance(v, str) else v["content"]
             for k, v in config.items()
-            if k.endswith("_token") and (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str)))
+            if k.endswith("_token")
+            and (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str)))
         }
         return cls(source, special)
 

@@ -24,6 +24,7 @@ from common.model_spec import ModelSpec
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.fleet import Fleet
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.load import GroupActivity, Load, ModelInfo
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import CacheFlush, Replica
@@ -36,7 +37,6 @@ from scheduler_svc.request import (
     sampling_params,
     stopping_params,
 )
-from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import TRACE_FIELDS, RequestStream
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
@@ -67,7 +67,9 @@ class Engine:
         self.metrics = metrics or SchedulerMetrics(spec.name)
         self._streams = LiveStreams()
         static = workers if isinstance(workers, list) else [workers] if workers is not None else []
-        self._fleet = Fleet(spec, config, self._streams, self.metrics, static, worker_factory, on_ready, connect_timeout)
+        self._fleet = Fleet(
+            spec, config, self._streams, self.metrics, static, worker_factory, on_ready, connect_timeout
+        )
         self._arrivals = itertools.count()
         self._draining = False
 
@@ -195,7 +197,9 @@ class Engine:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         sampling = sampling_params(req, seed, self.limits)
         total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
-        target = self._fleet.router.place(ready, tokens, total, max(sampling.best_of, sampling.beam_width), sampling.beam_width > 1)
+        target = self._fleet.router.place(
+            ready, tokens, total, max(sampling.best_of, sampling.beam_width), sampling.beam_width > 1
+        )
         arrival = next(self._arrivals)
         seq = Sequence(
             seq_id=next(self._fleet.seq_ids),
@@ -254,7 +258,12 @@ class Engine:
         groups = [g for g in (r.load() for r in self.replicas) if g is not None]
         if not groups:
             return None
-        return Load(sum(g.running for g in groups), sum(g.waiting for g in groups), sum(g.swapped for g in groups), tuple(groups))
+        return Load(
+            sum(g.running for g in groups),
+            sum(g.waiting for g in groups),
+            sum(g.swapped for g in groups),
+            tuple(groups),
+        )
 
     def activity(self) -> list[GroupActivity]:
         """Each serving group's load as a gateway weighs it (see `GroupActivity`)."""

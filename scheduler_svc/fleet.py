@@ -33,10 +33,10 @@ from common.model_spec import ModelSpec
 from common.plan import StepPlan
 from common.worker_info import WorkerInfo
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import CacheFlush, Replica
 from scheduler_svc.request import Limits
-from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import Scheduler
@@ -185,7 +185,9 @@ class Fleet:
             info = await worker.connect(self._connect_timeout)
         except WorkerLost as error:
             # Each attempt waits connect_timeout for the channel; then say so and try again.
-            log.warning("worker_unreachable", group=replica.name, address=worker.address, reason=str(error), retrying=True)
+            log.warning(
+                "worker_unreachable", group=replica.name, address=worker.address, reason=str(error), retrying=True
+            )
             return
         problem = self._incompatibility(info)
         if problem:
@@ -264,7 +266,9 @@ class Fleet:
             return
         # best_of > n and beams send nothing before the end: their client may simply retry.
         n = stream.num_output_tokens if group.streams else 0
-        stream.fail(Aborted(f"{what} after {n} tokens were streamed") if n else Unavailable(f"{what}; retry the request"))
+        stream.fail(
+            Aborted(f"{what} after {n} tokens were streamed") if n else Unavailable(f"{what}; retry the request")
+        )
 
     def _drop_aborted(self, aborts: list[RequestStream]) -> None:
         for stream in aborts:
@@ -278,8 +282,13 @@ class Fleet:
         else:
             # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
             # gauges at their last values until a worker is back.
-            for gauge in (self.metrics.running, self.metrics.waiting, self.metrics.swapped,
-                          self.metrics.kv_usage, self.metrics.cpu_usage):
+            for gauge in (
+                self.metrics.running,
+                self.metrics.waiting,
+                self.metrics.swapped,
+                self.metrics.kv_usage,
+                self.metrics.cpu_usage,
+            ):
                 gauge.set(0)
         for name in self.metrics.group_names() - {r.name for r in ready}:
             self.metrics.remove_group(name)
@@ -313,8 +322,13 @@ class Fleet:
                     item.resolve(scheduler.block_manager.reset_prefix_cache())
                 elif self._streams.drop(item):
                     scheduler.abort(item.group.group_id)
-                    log.info("request_aborted", request_id=item.request_id, reason=item.abort_reason or "cancelled",
-                             completion_tokens=item.num_output_tokens, **item.trace)
+                    log.info(
+                        "request_aborted",
+                        request_id=item.request_id,
+                        reason=item.abort_reason or "cancelled",
+                        completion_tokens=item.num_output_tokens,
+                        **item.trace,
+                    )
             except Exception:
                 # What was not applied stays queued, so the failure path ends those requests too.
                 replica.inbox[:0] = inbox[i:]
@@ -358,5 +372,7 @@ class Fleet:
                 self._reporter.emit(scheduler, events)
                 update = time.perf_counter() - update_start
                 # Sampled rows, not events: beam steps sample every beam but emit only at the end.
-                self._reporter.record(replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing)
+                self._reporter.record(
+                    replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing
+                )
                 self._reporter.record_parts(result, timing, plan_build, update)

@@ -46,8 +46,12 @@ class SchedulerMetrics:
         self.ttft = histogram(
             "llmserve:time_to_first_token_seconds", "Arrival to first token, per request.", _LATENCY_BUCKETS
         )
-        self.itl = histogram("llmserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.", _SECONDS_BUCKETS)
-        self.e2e = histogram("llmserve:e2e_request_latency_seconds", "Arrival to last message, per request.", _LATENCY_BUCKETS)
+        self.itl = histogram(
+            "llmserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.", _SECONDS_BUCKETS
+        )
+        self.e2e = histogram(
+            "llmserve:e2e_request_latency_seconds", "Arrival to last message, per request.", _LATENCY_BUCKETS
+        )
         self.queue_time = histogram(
             "llmserve:request_queue_time_seconds", "Arrival to first scheduled step, per request.", _LATENCY_BUCKETS
         )
@@ -91,7 +95,9 @@ class SchedulerMetrics:
         """The group's gauges; set every step, so the labelled children are looked up once."""
         gauges = self._groups.get(name)
         if gauges is None:
-            gauges = self._groups[name] = _GroupGauges({f: g.labels(self.model_name, name) for f, g in self._group_gauges.items()})
+            gauges = self._groups[name] = _GroupGauges(
+                {f: g.labels(self.model_name, name) for f, g in self._group_gauges.items()}
+            )
         return gauges
 
     def group_names(self) -> set[str]:

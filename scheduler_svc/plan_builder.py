@@ -47,8 +47,10 @@ class PlanBuilder:
         # A token a plan in flight will sample (Sequence.pending) is fed as DEFERRED_INPUT: the
         # worker takes what it sampled for that sequence in the step before.
         if n and max(query_lens) == 1:
-            input_ids = np.array([s.token_ids[c] if c < len(s.token_ids) else DEFERRED_INPUT
-                                  for s, c in zip(seqs, computed)], dtype=np.int32)
+            input_ids = np.array(
+                [s.token_ids[c] if c < len(s.token_ids) else DEFERRED_INPUT for s, c in zip(seqs, computed)],
+                dtype=np.int32,
+            )
         else:
             flat: list[int] = []
             for s, c, k in zip(seqs, computed, query_lens):

@@ -8,7 +8,6 @@ RESOURCE_EXHAUSTED (docs/design.md section 2).
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass
 
@@ -156,7 +155,8 @@ def check_fields(req: GenerationRequest, limits: Limits) -> None:
     for i, token in enumerate(req.stop_token_ids):
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgument(
-                f"stopping.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary (size {limits.vocab_size})"
+                f"stopping.stop_token_ids[{i}]",
+                f"token id {token} is outside the vocabulary (size {limits.vocab_size})",
             )
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument("stopping.stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
@@ -172,7 +172,9 @@ def _check_processing(req: GenerationRequest, limits: Limits) -> None:
     if math.isnan(req.min_p) or not 0 <= req.min_p <= 1:
         raise InvalidArgument("sampling.min_p", f"must lie in [0, 1], got {req.min_p}")
     if not math.isfinite(req.repetition_penalty) or req.repetition_penalty < 0:
-        raise InvalidArgument("sampling.repetition_penalty", f"must be > 0 (0 means unset), got {req.repetition_penalty}")
+        raise InvalidArgument(
+            "sampling.repetition_penalty", f"must be > 0 (0 means unset), got {req.repetition_penalty}"
+        )
     for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)):
         if math.isnan(value) or not -2 <= value <= 2:
             raise InvalidArgument(f"sampling.{name}", f"must lie in [-2, 2], got {value}")
@@ -183,7 +185,9 @@ def _check_processing(req: GenerationRequest, limits: Limits) -> None:
         raise Unimplemented("sampling.logprobs: log-probabilities with beam search are not supported yet")
     for token, bias in req.logit_bias:
         if not 0 <= token < limits.vocab_size:
-            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"token id outside the vocabulary (size {limits.vocab_size})")
+            raise InvalidArgument(
+                f"sampling.logit_bias[{token}]", f"token id outside the vocabulary (size {limits.vocab_size})"
+            )
         if not math.isfinite(bias) or not -100 <= bias <= 100:
             raise InvalidArgument(f"sampling.logit_bias[{token}]", f"bias must lie in [-100, 100], got {bias}")
     if req.max_tokens and req.min_tokens > req.max_tokens:
@@ -209,11 +213,13 @@ def _check_width(req: GenerationRequest, limits: Limits) -> None:
         if req.stop:
             raise Unimplemented("stopping.stop: stop strings with beam search are not supported yet")
         # Beams are ranked on the raw log-probabilities: logit processing would be ignored.
-        for name, used in (("sampling.repetition_penalty", req.repetition_penalty not in (0.0, 1.0)),
-                           ("sampling.presence_penalty", req.presence_penalty != 0),
-                           ("sampling.frequency_penalty", req.frequency_penalty != 0),
-                           ("sampling.logit_bias", bool(req.logit_bias)),
-                           ("stopping.min_tokens", req.min_tokens > 0)):
+        for name, used in (
+            ("sampling.repetition_penalty", req.repetition_penalty not in (0.0, 1.0)),
+            ("sampling.presence_penalty", req.presence_penalty != 0),
+            ("sampling.frequency_penalty", req.frequency_penalty != 0),
+            ("sampling.logit_bias", bool(req.logit_bias)),
+            ("stopping.min_tokens", req.min_tokens > 0),
+        ):
             if used:
                 raise Unimplemented(f"{name} with beam search is not supported yet")
 
@@ -224,7 +230,8 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
         raise InvalidArgument("prompt", "the prompt tokenizes to no tokens")
     if limits.max_prompt_tokens and num_prompt_tokens > limits.max_prompt_tokens:
         raise InvalidArgument(
-            "prompt", f"{num_prompt_tokens} prompt tokens exceed this server's --max-prompt-tokens ({limits.max_prompt_tokens})"
+            "prompt",
+            f"{num_prompt_tokens} prompt tokens exceed this server's --max-prompt-tokens ({limits.max_prompt_tokens})",
         )
     if num_prompt_tokens >= limits.max_model_len:
         raise InvalidArgument(

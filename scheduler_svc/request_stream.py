@@ -74,12 +74,19 @@ class RequestStream:
         stopping = seq.stopping
         if text_stream is None:
             text_stream = TextStream(
-                self.tokenizer, seq.prompt_token_ids, stopping.stop, stopping.include_stop_str_in_output,
+                self.tokenizer,
+                seq.prompt_token_ids,
+                stopping.stop,
+                stopping.include_stop_str_in_output,
                 stopping.skip_special_tokens,
             )
             self._texts[seq.seq_id] = text_stream
         # A stop token ends the text: it is returned in token_ids, never shown.
-        text = "" if reason is FinishReason.STOP else text_stream.push(event.token_id, seq.num_output_tokens >= stopping.min_tokens)
+        text = (
+            ""
+            if reason is FinishReason.STOP
+            else text_stream.push(event.token_id, seq.num_output_tokens >= stopping.min_tokens)
+        )
         if text_stream.matched_stop is not None:
             # Also when this token reached max_tokens: the stop string is why the text ends.
             if reason is None:
@@ -122,7 +129,10 @@ class RequestStream:
         elif not group.streams:
             for index, seq in enumerate(group.best()):
                 out = self._output(
-                    seq, seq.output_token_ids, self._buffered.get(seq.seq_id, ""), seq.finish_reason,
+                    seq,
+                    seq.output_token_ids,
+                    self._buffered.get(seq.seq_id, ""),
+                    seq.finish_reason,
                     tuple(self._logprobs.get(seq.seq_id, ())),
                 )
                 self.queue.put_nowait(dataclasses.replace(out, index=index))

@@ -39,7 +39,9 @@ class Router:
         for name, limit in (("max_num_seqs", c.max_num_seqs), ("max_num_batched_tokens", c.max_num_batched_tokens)):
             if width > limit:
                 field = "sampling.beam_width" if beam else "sampling.best_of"
-                raise InvalidArgument(field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})")
+                raise InvalidArgument(
+                    field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})"
+                )
         prompt = len(token_ids)
         fit = [r for r in ready if r.accounting.can_ever_fit(prompt, total, width)]
         if not fit:

@@ -154,7 +154,9 @@ class Scheduler:
         for seq in group.live():
             seq.status = SequenceStatus.WAITING
             stopping = seq.stopping
-            seq.stop_ids = stopping.stop_token_ids if stopping.ignore_eos else stopping.stop_token_ids | self.eos_token_ids
+            seq.stop_ids = (
+                stopping.stop_token_ids if stopping.ignore_eos else stopping.stop_token_ids | self.eos_token_ids
+            )
             limit = self.max_model_len
             if stopping.max_tokens is not None:
                 limit = min(limit, seq.num_prompt_tokens + stopping.max_tokens)
@@ -437,7 +439,11 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
             k = seq.sampling.logprobs
-            top = tuple(zip(result.top_token_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist())) if k and has_top else ()
+            top = (
+                tuple(zip(result.top_token_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+                if k and has_top
+                else ()
+            )
             # The common case, a token that neither stops nor reaches a limit, costs one set
             # lookup and one comparison; the rules themselves are Sequence.end_reason.
             reason = seq.end_reason(token) if token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit else None
@@ -470,13 +476,17 @@ class Scheduler:
                 top = tuple((int(t), float(v)) for t, v in zip(ids, lps) if t >= 0)
                 store.append((prompt[target], float(result.prompt_logprobs[k]), top))
 
-    def _beam_step(self, group: SequenceGroup, beams: list[Sequence], result: StepResult, rows: list[int]) -> list[TokenEvent]:
+    def _beam_step(
+        self, group: SequenceGroup, beams: list[Sequence], result: StepResult, rows: list[int]
+    ) -> list[TokenEvent]:
         assert group.beam is not None
         stop_ids = set(beams[0].stopping.stop_token_ids)
         if not beams[0].stopping.ignore_eos:
             stop_ids |= self.eos_token_ids
         ends = [b.end_reason(ahead=1) for b in beams]
-        choice = group.beam.step(beams, result.top_token_ids[rows], result.top_logprobs[rows], ends, frozenset(stop_ids))
+        choice = group.beam.step(
+            beams, result.top_token_ids[rows], result.top_logprobs[rows], ends, frozenset(stop_ids)
+        )
         if choice.done:
             for seq in group.live():
                 self._end_seq(seq, FinishReason.ABORTED)
@@ -515,11 +525,15 @@ class Scheduler:
                 table, host = bm.block_table(seq.seq_id), bm.host_table(seq.seq_id)
                 if group.status is SequenceStatus.WAITING and (seq.num_computed_tokens or table or host):
                     raise AssertionError(f"waiting seq {seq.seq_id} holds KV state")
-                if group.status is SequenceStatus.SWAPPED and (table or len(host) < bm.blocks_for(seq.num_computed_tokens)):
+                if group.status is SequenceStatus.SWAPPED and (
+                    table or len(host) < bm.blocks_for(seq.num_computed_tokens)
+                ):
                     raise AssertionError(f"swapped seq {seq.seq_id} has blocks out of place")
                 if group.status is SequenceStatus.RUNNING:
                     if host or len(table) < bm.blocks_for(seq.num_computed_tokens):
-                        raise AssertionError(f"running seq {seq.seq_id} has {len(table)} blocks for {seq.num_computed_tokens} tokens")
+                        raise AssertionError(
+                            f"running seq {seq.seq_id} has {len(table)} blocks for {seq.num_computed_tokens} tokens"
+                        )
         if self.running_slots != sum(g.width for g in self.running):
             raise AssertionError(f"running slots counter says {self.running_slots}")
         if len(self._seqs) != sum(len(g.live()) for g in queued):

@@ -127,7 +127,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     def end_reason(self, token: int | None = None, ahead: int = 0) -> FinishReason | None:
         """The stop and length rules, in one place: why `token`, just appended, ends this

@@ -18,12 +18,12 @@ from common.model_spec import ModelSpec
 from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from common.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.tls import tls_mode
+from scheduler_svc import tgis_servicer, vllm_servicer
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.registry import Registry
 from scheduler_svc.registry_servicer import RegistryServicer
-from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc import tgis_servicer, vllm_servicer
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient
@@ -57,7 +57,11 @@ class SchedulerServer:
             Tokenizer(model_dir),
             scheduler_config,
             # Each address is one worker group (a tensor-parallel one: its ranks, comma-separated).
-            [_worker(a, step_timeout, worker_tls, health_interval) for a in ([worker_address] if isinstance(worker_address, str) else worker_address) if a],
+            [
+                _worker(a, step_timeout, worker_tls, health_interval)
+                for a in ([worker_address] if isinstance(worker_address, str) else worker_address)
+                if a
+            ],
             metrics=self.metrics,
             on_ready=self._on_ready,
             chat_template=ChatTemplate.from_dir(model_dir),
@@ -78,8 +82,12 @@ class SchedulerServer:
         if server_config.reflection:
             reflection.enable_server_reflection(
                 (
-                    SERVICE_NAME, tgis_servicer.SERVICE_NAME, vllm_servicer.SERVICE_NAME, REGISTRY_NAME,
-                    health.SERVICE_NAME, reflection.SERVICE_NAME,
+                    SERVICE_NAME,
+                    tgis_servicer.SERVICE_NAME,
+                    vllm_servicer.SERVICE_NAME,
+                    REGISTRY_NAME,
+                    health.SERVICE_NAME,
+                    reflection.SERVICE_NAME,
                 ),
                 self.server,
             )
@@ -96,7 +104,8 @@ class SchedulerServer:
             self._announced = True
             cfg = self.server_config
             log.info(
-                "ready", grpc=f"{cfg.host}:{self.port}",
+                "ready",
+                grpc=f"{cfg.host}:{self.port}",
                 metrics=f"http://{cfg.host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
                 groups=len(self.engine.replicas),
             )
@@ -112,8 +121,12 @@ class SchedulerServer:
             serve_http(self.metrics.serve, cfg.metrics_port, cfg.host, "--metrics-port")
         self.engine.start()
         log.info(
-            "scheduler_listening", host=cfg.host, port=self.port, metrics_port=cfg.metrics_port or None,
-            tls=tls_mode(cfg.tls), reflection=cfg.reflection,
+            "scheduler_listening",
+            host=cfg.host,
+            port=self.port,
+            metrics_port=cfg.metrics_port or None,
+            tls=tls_mode(cfg.tls),
+            reflection=cfg.reflection,
         )
         return self.port
 
@@ -126,7 +139,9 @@ class SchedulerServer:
         log.info("scheduler_stopped")
 
 
-def _worker(address: str, step_timeout: float, tls: TlsClientConfig | None, health_interval: float) -> WorkerClient | WorkerGroup:
+def _worker(
+    address: str, step_timeout: float, tls: TlsClientConfig | None, health_interval: float
+) -> WorkerClient | WorkerGroup:
     """One worker, or the ranks of a tensor-parallel group given as a comma-separated list."""
     addresses = [a.strip() for a in address.split(",") if a.strip()]
     if len(addresses) > 1:

@@ -86,7 +86,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if token >= vocab:
                 raise InvalidArgument(f"token_ids[{i}]", f"token id {token} is outside the vocabulary (size {vocab})")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return gen_pb.DetokenizeResponse(text=self._engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        return gen_pb.DetokenizeResponse(
+            text=self._engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )
 
     async def GetModelInfo(  # noqa: N802
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -10,12 +10,12 @@ import time
 
 import structlog
 
+from common.plan import StepResult
+from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import Replica
-from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler, TokenEvent
-from common.plan import StepResult
 from scheduler_svc.worker_client import StepTiming
 
 log = structlog.get_logger(__name__)
@@ -111,7 +111,9 @@ class StepReporter:
         self.metrics.add_step_parts(parts)
         log.debug("step_parts", **{f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in parts.items()})
 
-    def record(self, replica: Replica, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming) -> None:
+    def record(
+        self, replica: Replica, step_id: int, num_seqs: int, num_tokens: int, num_sampled: int, timing: StepTiming
+    ) -> None:
         m = self.metrics
         m.plan_bytes.observe(timing.plan_bytes)
         m.roundtrip.observe(timing.roundtrip_seconds)
@@ -120,8 +122,9 @@ class StepReporter:
         if sched is not None:
             # The scheduler keeps plain counters (it is pure); publish what moved since last step.
             now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_planned_ahead)
-            for counter, new, old in zip((m.preemptions, m.prefix_queries, m.prefix_hits, m.planned_ahead), now,
-                                         replica.reported):
+            for counter, new, old in zip(
+                (m.preemptions, m.prefix_queries, m.prefix_hits, m.planned_ahead), now, replica.reported
+            ):
                 if new > old:
                     counter.inc(new - old)
             replica.reported = now

@@ -28,8 +28,8 @@ from common.pb.fmaas import generation_pb2 as pb
 from common.pb.fmaas import generation_pb2_grpc
 from scheduler_svc import tgis_wire
 from scheduler_svc.engine import Engine
-from scheduler_svc.servicer import log_fields, trace_headers
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
+from scheduler_svc.servicer import log_fields, trace_headers
 from scheduler_svc.tgis_wire import TgisParams, TimeLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -98,7 +98,12 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
                 yield message
 
     async def _stream(
-        self, text: str, params: TgisParams, prompt_ids: list[int], seed: int | None, req: GenerationRequest,
+        self,
+        text: str,
+        params: TgisParams,
+        prompt_ids: list[int],
+        seed: int | None,
+        req: GenerationRequest,
         deadline: float | None,
     ) -> AsyncIterator[pb.GenerationResponse]:
         head = False
@@ -147,7 +152,9 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _infos(self, params: TgisParams, ids: list[int], details: list[TokenLogprob | None]) -> list[pb.TokenInfo]:
         return tgis_wire.token_infos(params, self._engine.tokenizer.token_strings(ids), details, self._text_of)
 
-    def _input_infos(self, params: TgisParams, prompt_ids: list[int], first: RequestOutput | None) -> list[pb.TokenInfo]:
+    def _input_infos(
+        self, params: TgisParams, prompt_ids: list[int], first: RequestOutput | None
+    ) -> list[pb.TokenInfo]:
         """The prompt's tokens, with their scores (which the first output carries) when asked."""
         if not params.input_tokens:
             return []
@@ -165,7 +172,9 @@ def _deadline(params: TgisParams) -> float | None:
     return None if params.time_limit is None else asyncio.get_running_loop().time() + params.time_limit
 
 
-async def _run(outputs: AsyncIterator[RequestOutput], deadline: float | None) -> AsyncGenerator[RequestOutput | TimeLimit, None]:
+async def _run(
+    outputs: AsyncIterator[RequestOutput], deadline: float | None
+) -> AsyncGenerator[RequestOutput | TimeLimit, None]:
     """The engine's outputs until `deadline`; then the request is aborted and a TimeLimit ends it.
 
     The timeout cancels the wait inside the engine's generator, whose cleanup aborts the

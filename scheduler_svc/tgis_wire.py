@@ -62,7 +62,9 @@ class TgisParams:
         """Our logprobs count for the returned tokens (None: no details asked)."""
         return self.top_n_tokens if self.token_logprobs or self.top_n_tokens else None
 
-    def generation_request(self, prompt_token_ids: list[int], max_model_len: int, seed: int | None) -> GenerationRequest:
+    def generation_request(
+        self, prompt_token_ids: list[int], max_model_len: int, seed: int | None
+    ) -> GenerationRequest:
         """Our request for one prompt. `seed` is the one to use (drawn by the caller if unset).
 
         TGIS does not refuse max_new_tokens beyond the context: generation stops when the
@@ -98,12 +100,16 @@ class TimeLimit:
 
 
 def batched_request(msg: pb.BatchedGenerationRequest) -> tuple[list[str], TgisParams]:
-    _check_adapter(msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else "")
+    _check_adapter(
+        msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else ""
+    )
     return [r.text for r in msg.requests], params(msg.params)
 
 
 def single_request(msg: pb.SingleGenerationRequest) -> tuple[str, TgisParams]:
-    _check_adapter(msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else "")
+    _check_adapter(
+        msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else ""
+    )
     return msg.request.text, params(msg.params)
 
 
@@ -158,7 +164,9 @@ def params(msg: pb.Parameters) -> TgisParams:
 
 def _check_decoding(d: pb.DecodingParameters) -> None:
     if not math.isfinite(d.repetition_penalty) or d.repetition_penalty < 0:
-        raise InvalidArgument("params.decoding.repetition_penalty", f"must be > 0 (0 means unset), got {d.repetition_penalty}")
+        raise InvalidArgument(
+            "params.decoding.repetition_penalty", f"must be > 0 (0 means unset), got {d.repetition_penalty}"
+        )
     if d.HasField("length_penalty"):
         raise Unimplemented("params.decoding.length_penalty: the exponential EOS boost is not supported")
     guided = d.WhichOneof("guided")
@@ -188,7 +196,9 @@ def token_infos(
         if p.token_logprobs:
             info.logprob = detail.logprob if detail is not None else math.nan
         if p.top_n_tokens and detail is not None:
-            info.top_tokens.extend(pb.TokenInfo.TopToken(text=text_of(t), logprob=v) for t, v in detail.top[: p.top_n_tokens])
+            info.top_tokens.extend(
+                pb.TokenInfo.TopToken(text=text_of(t), logprob=v) for t, v in detail.top[: p.top_n_tokens]
+            )
         infos.append(info)
     return infos
 
@@ -233,7 +243,9 @@ def stream_head(
     )
 
 
-def stream_message(p: TgisParams, out: RequestOutput | TimeLimit, output_tokens: list[pb.TokenInfo]) -> pb.GenerationResponse:
+def stream_message(
+    p: TgisParams, out: RequestOutput | TimeLimit, output_tokens: list[pb.TokenInfo]
+) -> pb.GenerationResponse:
     """A GenerateStream message for one engine output (its new tokens and text)."""
     if isinstance(out, TimeLimit):
         return pb.GenerationResponse(generated_token_count=out.generated, stop_reason=pb.TIME_LIMIT)
@@ -264,10 +276,14 @@ class TokenizeCall:
 
 
 def tokenize_request(msg: pb.BatchedTokenizeRequest) -> TokenizeCall:
-    return TokenizeCall([r.text for r in msg.requests], msg.return_tokens, msg.return_offsets, msg.truncate_input_tokens)
+    return TokenizeCall(
+        [r.text for r in msg.requests], msg.return_tokens, msg.return_offsets, msg.truncate_input_tokens
+    )
 
 
-def tokenize_response(call: TokenizeCall, results: list[tuple[list[str], list[tuple[int, int]]]]) -> pb.BatchedTokenizeResponse:
+def tokenize_response(
+    call: TokenizeCall, results: list[tuple[list[str], list[tuple[int, int]]]]
+) -> pb.BatchedTokenizeResponse:
     """`results`: per text, its tokens and their character offsets (after truncation)."""
     return pb.BatchedTokenizeResponse(
         responses=[

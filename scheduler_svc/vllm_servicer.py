@@ -21,14 +21,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 
 import grpc
 import structlog
-from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from common.errors import Cancelled, InvalidArgument, Unavailable, Unimplemented
 from scheduler_svc import vllm_wire
@@ -119,7 +118,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 state = outputs.setdefault(out.index, _Output())
                 state.add(out)
                 if call.stream:
-                    yield vllm_wire.chunk(out, self._logprobs(call, out.logprobs), self._first_prompt_logprobs(call, state, prompt, prompt_entries))
+                    yield vllm_wire.chunk(
+                        out,
+                        self._logprobs(call, out.logprobs),
+                        self._first_prompt_logprobs(call, state, prompt, prompt_entries),
+                    )
                     if out.finish_reason is not None:
                         yield self._complete(call, out.index, state, prompt, ())
         except InvalidArgument as error:
@@ -136,11 +139,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return
         for index in range(n):
             state = outputs.setdefault(index, _Output())
-            yield self._complete(call, index, state, prompt, prompt_entries, None if state.finished else vllm_wire.ABORT)
+            yield self._complete(
+                call, index, state, prompt, prompt_entries, None if state.finished else vllm_wire.ABORT
+            )
 
     def _complete(
-        self, call: GenerateCall, index: int, state: _Output, prompt: list[int],
-        prompt_entries: tuple[TokenLogprob, ...], reason: str | None = None,
+        self,
+        call: GenerateCall,
+        index: int,
+        state: _Output,
+        prompt: list[int],
+        prompt_entries: tuple[TokenLogprob, ...],
+        reason: str | None = None,
     ) -> pb.GenerateResponse:
         """Output `index`'s end. Streamed, its log-probabilities went with the chunks."""
         last = state.last
@@ -151,17 +161,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             reason=reason or (vllm_wire.finish_reason(last) if last is not None else vllm_wire.ABORT),
             prompt_tokens=len(prompt),
             cached_tokens=last.cached_tokens if last is not None else 0,
-            matched=vllm_wire.matched_stop(last, call.request.stop_token_ids) if last is not None and reason is None else None,
+            matched=vllm_wire.matched_stop(last, call.request.stop_token_ids)
+            if last is not None and reason is None
+            else None,
             logprobs=self._logprobs(call, state.logprobs) if whole else None,
             prompt_logprobs=self._prompt_logprobs(call, prompt, prompt_entries) if whole else None,
         )
 
     @staticmethod
-    def _logprobs(call: GenerateCall, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> pb.OutputLogProbs | None:
+    def _logprobs(
+        call: GenerateCall, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]
+    ) -> pb.OutputLogProbs | None:
         return vllm_wire.output_logprobs(entries, call.num_logprobs) if call.num_logprobs is not None else None
 
     @staticmethod
-    def _prompt_logprobs(call: GenerateCall, prompt: list[int], entries: tuple[TokenLogprob, ...]) -> pb.InputLogProbs | None:
+    def _prompt_logprobs(
+        call: GenerateCall, prompt: list[int], entries: tuple[TokenLogprob, ...]
+    ) -> pb.InputLogProbs | None:
         if call.num_prompt_logprobs is None:
             return None
         return vllm_wire.input_logprobs(prompt, entries, call.num_prompt_logprobs)
@@ -198,7 +214,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> pb.GetModelInfoResponse:
         spec = self._engine.spec
         return vllm_wire.model_info(
-            self._engine.model_info(), spec.path, spec.model_type, spec.architectures, spec.bos_token_id, spec.pad_token_id
+            self._engine.model_info(),
+            spec.path,
+            spec.model_type,
+            spec.architectures,
+            spec.bos_token_id,
+            spec.pad_token_id,
         )
 
     async def GetServerInfo(  # noqa: N802
@@ -224,8 +245,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         if dp_rank is not None and not 0 <= dp_rank < len(activity):
-            raise InvalidArgument("dp_rank", f"{dp_rank} is not one of the {len(activity)} worker groups (0..{len(activity) - 1})")
-        return vllm_wire.loads(activity, dp_rank, datetime.now(timezone.utc).isoformat(), _version())
+            raise InvalidArgument(
+                "dp_rank", f"{dp_rank} is not one of the {len(activity)} worker groups (0..{len(activity) - 1})"
+            )
+        return vllm_wire.loads(activity, dp_rank, datetime.now(UTC).isoformat(), _version())
 
     async def GetTokenizer(  # noqa: N802
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
@@ -265,7 +288,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def StartProfile(  # noqa: N802
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ProfileResponse:
-        raise Unimplemented("StartProfile: profiling is not supported; run workers with --profile-steps for per-step timings")
+        raise Unimplemented(
+            "StartProfile: profiling is not supported; run workers with --profile-steps for per-step timings"
+        )
 
     async def StopProfile(  # noqa: N802
         self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext

@@ -67,12 +67,17 @@ def generate_call(msg: pb.GenerateRequest) -> GenerateCall:
     form = msg.WhichOneof("input")
     if form is None:
         raise InvalidArgument("input", "set tokenized or text")
-    for name, used in (("mm_inputs", msg.HasField("mm_inputs")), ("extra_mm_inputs", bool(msg.extra_mm_inputs)),
-                       ("media_refs", msg.HasField("media_refs"))):
+    for name, used in (
+        ("mm_inputs", msg.HasField("mm_inputs")),
+        ("extra_mm_inputs", bool(msg.extra_mm_inputs)),
+        ("media_refs", msg.HasField("media_refs")),
+    ):
         if used:
             raise Unimplemented(f"{name}: multimodal inputs are not supported (text-only models)")
-    for name, used in (("kv_transfer_params", msg.HasField("kv_transfer_params")),
-                       ("kv_transfer_params_json", msg.HasField("kv_transfer_params_json"))):
+    for name, used in (
+        ("kv_transfer_params", msg.HasField("kv_transfer_params")),
+        ("kv_transfer_params_json", msg.HasField("kv_transfer_params_json")),
+    ):
         if used:
             raise Unimplemented(f"{name}: prefill/decode disaggregation (KV transfer) is not supported")
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
@@ -83,7 +88,9 @@ def generate_call(msg: pb.GenerateRequest) -> GenerateCall:
     p = msg.sampling_params
     truncate = p.truncate_prompt_tokens if p.HasField("truncate_prompt_tokens") else None
     if truncate is not None and truncate < 1 and truncate != -1:
-        raise InvalidArgument("sampling_params.truncate_prompt_tokens", f"must be >= 1, or -1 for the model's context, got {truncate}")
+        raise InvalidArgument(
+            "sampling_params.truncate_prompt_tokens", f"must be >= 1, or -1 for the model's context, got {truncate}"
+        )
     return GenerateCall(
         text=msg.text if form == "text" else None,
         token_ids=tuple(msg.tokenized.input_ids) if form == "tokenized" else (),
@@ -105,7 +112,8 @@ def generation_request(request_id: str, p: pb.SamplingParams) -> GenerationReque
     for name in ("logprobs", "prompt_logprobs"):
         if p.HasField(name) and getattr(p, name) < 0:
             raise InvalidArgument(
-                f"sampling_params.{name}", f"must be >= 0 (-1, the whole vocabulary, is not supported), got {getattr(p, name)}"
+                f"sampling_params.{name}",
+                f"must be >= 0 (-1, the whole vocabulary, is not supported), got {getattr(p, name)}",
             )
     return GenerationRequest(
         request_id=request_id,
@@ -340,7 +348,9 @@ def flush_response(forgotten: int, busy_groups: int, in_flight: int) -> common_p
     return common_pb2.FlushCacheResponse(success=True, message=f"flushed {forgotten} cached prefix blocks")
 
 
-def tokenizer_chunks(bundle: TokenizerBundle, size: int = TOKENIZER_CHUNK_BYTES) -> Iterator[common_pb2.GetTokenizerChunk]:
+def tokenizer_chunks(
+    bundle: TokenizerBundle, size: int = TOKENIZER_CHUNK_BYTES
+) -> Iterator[common_pb2.GetTokenizerChunk]:
     """The zip in pieces; the last one carries the SHA-256 of the whole archive."""
     data = bundle.data
     for start in range(0, len(data), size):
@@ -357,7 +367,9 @@ def kv_batch(batch: KvBatch) -> common_pb2.KvEventBatch:
         if chain:
             stored = common_pb2.KvBlocksStored(
                 blocks=[
-                    common_pb2.KvBlock(block_hash=s.block_hash, token_ids=[int(t) for t in s.token_ids], block_size=len(s.token_ids))
+                    common_pb2.KvBlock(
+                        block_hash=s.block_hash, token_ids=[int(t) for t in s.token_ids], block_size=len(s.token_ids)
+                    )
                     for s in chain
                 ],
                 tier=common_pb2.KV_CACHE_TIER_DEVICE,
@@ -375,9 +387,13 @@ def kv_batch(batch: KvBatch) -> common_pb2.KvEventBatch:
             continue
         close_chain()
         if isinstance(event, BlockRemoved):
-            events.append(common_pb2.KvCacheEvent(
-                removed=common_pb2.KvBlocksRemoved(block_hashes=[event.block_hash], tier=common_pb2.KV_CACHE_TIER_DEVICE)
-            ))
+            events.append(
+                common_pb2.KvCacheEvent(
+                    removed=common_pb2.KvBlocksRemoved(
+                        block_hashes=[event.block_hash], tier=common_pb2.KV_CACHE_TIER_DEVICE
+                    )
+                )
+            )
         elif isinstance(event, CacheCleared):
             events.append(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
     close_chain()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 from grpc_health.v1 import health_pb2
 
 from common.arrays import pack, unpack
@@ -69,7 +68,9 @@ def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
         completion_tokens=out.completion_tokens,
         index=out.index,
         cumulative_logprob=out.cumulative_logprob,
-        stats=None if out.stats is None else gen_pb.RequestStats(
+        stats=None
+        if out.stats is None
+        else gen_pb.RequestStats(
             prefix_cache_hit_tokens=out.stats.prefix_cache_hit_tokens,
             num_preemptions=out.stats.num_preemptions,
             num_swaps=out.stats.num_swaps,
@@ -150,10 +151,12 @@ def _prompt_logprobs(msg: worker_pb.StepResult, num_seqs: int) -> dict[str, np.n
     return {
         "prompt_offsets": offsets,
         "prompt_logprobs": unpack(msg.prompt_logprobs, np.float32, "prompt_logprobs", entries),
-        "prompt_top_token_ids": unpack(msg.prompt_top_token_ids, np.int32, "prompt_top_token_ids", entries * width)
-        .reshape(entries, width),
-        "prompt_top_logprobs": unpack(msg.prompt_top_logprobs, np.float32, "prompt_top_logprobs", entries * width)
-        .reshape(entries, width),
+        "prompt_top_token_ids": unpack(
+            msg.prompt_top_token_ids, np.int32, "prompt_top_token_ids", entries * width
+        ).reshape(entries, width),
+        "prompt_top_logprobs": unpack(
+            msg.prompt_top_logprobs, np.float32, "prompt_top_logprobs", entries * width
+        ).reshape(entries, width),
     }
 
 
@@ -201,17 +204,18 @@ def load(value: Load) -> gen_pb.Load:
         running=value.running,
         waiting=value.waiting,
         swapped=value.swapped,
-        groups=[
-            gen_pb.WorkerGroupLoad(**dataclasses.asdict(g))
-            for g in value.groups
-        ],
+        groups=[gen_pb.WorkerGroupLoad(**dataclasses.asdict(g)) for g in value.groups],
     )
 
 
 def registration(msg: reg_pb.RegisterRequest) -> Registration:
     return Registration(
-        address=msg.address, group=msg.group or msg.address, rank=msg.rank, world_size=msg.world_size or 1,
-        model_name=msg.model_name, block_size=msg.block_size,
+        address=msg.address,
+        group=msg.group or msg.address,
+        rank=msg.rank,
+        world_size=msg.world_size or 1,
+        model_name=msg.model_name,
+        block_size=msg.block_size,
     )
 
 

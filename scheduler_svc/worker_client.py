@@ -63,7 +63,11 @@ class StepTiming:
 
 class WorkerClient:
     def __init__(
-        self, address: str, step_timeout: float = 600.0, tls: TlsClientConfig | None = None, health_interval: float = 5.0
+        self,
+        address: str,
+        step_timeout: float = 600.0,
+        tls: TlsClientConfig | None = None,
+        health_interval: float = 5.0,
     ) -> None:
         self.address = address
         self.step_timeout = step_timeout
@@ -162,8 +166,9 @@ class WorkerClient:
         # step's result came back.
         start = max(sent, self._last_received)
         self._last_received = received
-        return result, StepTiming(size, received - start, result.execute_seconds, encode_seconds,
-                                  time.perf_counter() - received)
+        return result, StepTiming(
+            size, received - start, result.execute_seconds, encode_seconds, time.perf_counter() - received
+        )
 
     def _step_call(self) -> grpc.aio.StreamStreamCall:
         if self._call is None:

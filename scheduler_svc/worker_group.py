@@ -29,7 +29,11 @@ T = TypeVar("T")
 
 class WorkerGroup:
     def __init__(
-        self, addresses: list[str], step_timeout: float = 600.0, tls: TlsClientConfig | None = None, health_interval: float = 5.0
+        self,
+        addresses: list[str],
+        step_timeout: float = 600.0,
+        tls: TlsClientConfig | None = None,
+        health_interval: float = 5.0,
     ) -> None:
         if not addresses:
             raise ValueError("a worker group needs at least one rank address")
@@ -71,8 +75,13 @@ class WorkerGroup:
         result, timing = done[0]
         # The step lasts as long as its slowest rank.
         slowest = max(t.roundtrip_seconds for _, t in done)
-        return result, StepTiming(timing.plan_bytes, slowest, max(t.execute_seconds for _, t in done),
-                                  timing.encode_seconds, timing.decode_seconds)
+        return result, StepTiming(
+            timing.plan_bytes,
+            slowest,
+            max(t.execute_seconds for _, t in done),
+            timing.encode_seconds,
+            timing.decode_seconds,
+        )
 
     async def _all(self, plan: StepPlan, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
         """Every rank's answer; the first failure decides: the other ranks are blocked in a

@@ -97,8 +97,12 @@ def signature(
         else:
             sig[p] = "i32"  # what Triton specialises a Python int below 2^31 to
     divisible = [p for p in params if p not in constexprs and (p.endswith("_ptr") or p in aligned)]
-    return ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
-                     attrs={(params.index(p),): [["tt.divisibility", 16]] for p in divisible})
+    return ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(params.index(k),): v for k, v in constexprs.items()},
+        attrs={(params.index(p),): [["tt.divisibility", 16]] for p in divisible},
+    )
 
 
 def compile_case(case: Case) -> triton.compiler.CompiledKernel:
@@ -111,23 +115,47 @@ def attention_cases(head_dim: int, dtype: str, block_size: int = 16, group: int 
     """The decode, merge and prefill launches of one layer shape, as the wrappers choose them."""
     torch_dtype = TORCH_DTYPES[dtype]
     native = dtype != "fp32"
-    attn = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size, NATIVE_DOT=native,
-                DOT_PRECISION=dot_precision(torch_dtype))
+    attn = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pow2(head_dim, 16),
+        BLOCK_SIZE=block_size,
+        NATIVE_DOT=native,
+        DOT_PRECISION=dot_precision(torch_dtype),
+    )
     dec = decode_launch(head_dim, torch_dtype, group, on_gpu=True)
     pre = prefill_launch(head_dim, torch_dtype, on_gpu=True)
     # The block-table width is any number; a split's length is rounded up to whole tiles.
     decode_aligned = strides(_decode_partial_kernel, "stride_bt") | {"tokens_per_split"}
     return [
-        Case(f"decode-d{head_dim}", _decode_partial_kernel, dtype,
-             dict(GROUP=group, GROUP_PAD=dec.rows, TILE=dec.keys, **attn), dec.num_warps, dec.num_stages, head_dim,
-             decode_aligned),
+        Case(
+            f"decode-d{head_dim}",
+            _decode_partial_kernel,
+            dtype,
+            dict(GROUP=group, GROUP_PAD=dec.rows, TILE=dec.keys, **attn),
+            dec.num_warps,
+            dec.num_stages,
+            head_dim,
+            decode_aligned,
+        ),
         # 64 splits is the most default_num_splits asks for: the widest merge.
-        Case(f"decode_merge-d{head_dim}", _decode_merge_kernel, dtype,
-             dict(SPLITS_PAD=64, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16)), head_dim=head_dim,
-             aligned=strides(_decode_merge_kernel)),
-        Case(f"prefill-d{head_dim}", _prefill_kernel, dtype,
-             dict(GROUP=group, TILE_M=pre.rows, TILE_N=pre.keys, **attn), pre.num_warps, pre.num_stages, head_dim,
-             strides(_prefill_kernel, "stride_bt")),
+        Case(
+            f"decode_merge-d{head_dim}",
+            _decode_merge_kernel,
+            dtype,
+            dict(SPLITS_PAD=64, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16)),
+            head_dim=head_dim,
+            aligned=strides(_decode_merge_kernel),
+        ),
+        Case(
+            f"prefill-d{head_dim}",
+            _prefill_kernel,
+            dtype,
+            dict(GROUP=group, TILE_M=pre.rows, TILE_N=pre.keys, **attn),
+            pre.num_warps,
+            pre.num_stages,
+            head_dim,
+            strides(_prefill_kernel, "stride_bt"),
+        ),
     ]
 
 
@@ -135,13 +163,23 @@ def layer_cases(head_dim: int, dtype: str, num_heads: int = 32, num_kv_heads: in
     """The per-token kernels whose tiles depend on the head size."""
     half = head_dim // 2
     return [
-        Case(f"store_kv-d{head_dim}", _store_kv_kernel, dtype,
-             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim), BLOCK_SIZE=16), head_dim=head_dim,
-             aligned=strides(_store_kv_kernel)),
+        Case(
+            f"store_kv-d{head_dim}",
+            _store_kv_kernel,
+            dtype,
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim), BLOCK_SIZE=16),
+            head_dim=head_dim,
+            aligned=strides(_store_kv_kernel),
+        ),
         # The cos/sin row is half a head: a multiple of 16 only from head_dim 64 on (not 80).
-        Case(f"rotary-d{head_dim}-h{num_heads}", _rotary_kernel, dtype,
-             dict(HALF=half, HALF_PAD=pow2(half), HEADS_PAD=pow2(num_heads), KV_HEADS_PAD=pow2(num_kv_heads)),
-             head_dim=head_dim, aligned=strides(_rotary_kernel, *(() if half % 16 == 0 else ("stride_cos",)))),
+        Case(
+            f"rotary-d{head_dim}-h{num_heads}",
+            _rotary_kernel,
+            dtype,
+            dict(HALF=half, HALF_PAD=pow2(half), HEADS_PAD=pow2(num_heads), KV_HEADS_PAD=pow2(num_kv_heads)),
+            head_dim=head_dim,
+            aligned=strides(_rotary_kernel, *(() if half % 16 == 0 else ("stride_cos",))),
+        ),
     ]
 
 
@@ -149,16 +187,26 @@ def hidden_cases(hidden: int, dtype: str) -> list[Case]:
     # Rows are contiguous: every stride is the hidden size or a multiple of it.
     aligned = strides(_rms_norm_kernel) | {"hidden"} if hidden % 16 == 0 else frozenset()
     return [
-        Case(f"rms_norm-{hidden}{'-residual' * residual}", _rms_norm_kernel, dtype,
-             dict(HAS_RESIDUAL=residual, BLOCK=pow2(hidden)), aligned=aligned)
+        Case(
+            f"rms_norm-{hidden}{'-residual' * residual}",
+            _rms_norm_kernel,
+            dtype,
+            dict(HAS_RESIDUAL=residual, BLOCK=pow2(hidden)),
+            aligned=aligned,
+        )
         for residual in (False, True)
     ]
 
 
 def silu_case(dtype: str) -> Case:
     """Every model's intermediate size is a multiple of 16."""
-    return Case("silu_and_mul", _silu_and_mul_kernel, dtype, dict(BLOCK=SILU_BLOCK),
-                aligned=strides(_silu_and_mul_kernel) | {"d"})
+    return Case(
+        "silu_and_mul",
+        _silu_and_mul_kernel,
+        dtype,
+        dict(BLOCK=SILU_BLOCK),
+        aligned=strides(_silu_and_mul_kernel) | {"d"},
+    )
 
 
 def worker_cases(
@@ -285,8 +333,10 @@ def main() -> None:
         try:
             compiled = compile_case(case)
             ok = bool(compiled.asm["cubin"]) and ".target sm_90" in compiled.asm["ptx"]
-            results[case.key] = {"compiled": "ok" if ok else "no sm_90 cubin",
-                                 "int32_index_products": int32_index_products(compiled.asm["ttir"], params)}
+            results[case.key] = {
+                "compiled": "ok" if ok else "no sm_90 cubin",
+                "int32_index_products": int32_index_products(compiled.asm["ttir"], params),
+            }
         except Exception as error:  # noqa: BLE001 (reported, not raised: one bad kernel must not hide the rest)
             results[case.key] = {"compiled": f"{type(error).__name__}: {error}"[:2000], "int32_index_products": []}
     print(json.dumps(results))

@@ -109,8 +109,23 @@ class WorkerProcess:
 def start_worker(model_dir: Path, *extra: str, dtype: str = "float32") -> WorkerProcess:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
-           "--listen", address, "--dtype", dtype, "--device", "cpu", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "--log-level",
+        "warning",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--listen",
+        address,
+        "--dtype",
+        dtype,
+        "--device",
+        "cpu",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO)
     return WorkerProcess(proc, address)
 
@@ -163,8 +178,12 @@ class Scheduler:
 def _replica_idle(replica) -> bool:  # type: ignore[no-untyped-def]
     sched = replica.scheduler
     bm = sched.block_manager
-    return (not sched.has_work and not replica.inbox
-            and bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks)
+    return (
+        not sched.has_work
+        and not replica.inbox
+        and bm.num_free_blocks == bm.num_blocks
+        and bm.cpu.num_free == bm.cpu.num_blocks
+    )
 
 
 async def wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> None:
@@ -175,7 +194,9 @@ async def wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> None
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == health_pb2.HealthCheckResponse.SERVING:
+            if (
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            ).status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.aio.AioRpcError:
             pass
@@ -215,10 +236,26 @@ async def tiny_scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> As
         await stop_scheduler(s)
 
 
-def request(prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8, **stopping_and_sampling: object) -> pb.GenerateRequest:
-    sampling_keys = {"temperature", "top_p", "top_k", "seed", "n", "best_of", "beam_width", "length_penalty", "min_p",
-                     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
-                     "logit_bias"}
+def request(
+    prompt: str = "", ids: list[int] | None = None, max_tokens: int = 8, **stopping_and_sampling: object
+) -> pb.GenerateRequest:
+    sampling_keys = {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "n",
+        "best_of",
+        "beam_width",
+        "length_penalty",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "prompt_logprobs",
+        "logit_bias",
+    }
     priority = int(stopping_and_sampling.pop("priority", 0))  # type: ignore[call-overload]
     sampling = {k: v for k, v in stopping_and_sampling.items() if k in sampling_keys}
     stopping = {k: v for k, v in stopping_and_sampling.items() if k not in sampling_keys}

@@ -15,10 +15,16 @@ from hypothesis import strategies as st
 
 _F = FieldDescriptor
 _INTS = {
-    _F.TYPE_INT32: (-(2**31), 2**31 - 1), _F.TYPE_SINT32: (-(2**31), 2**31 - 1), _F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
-    _F.TYPE_INT64: (-(2**63), 2**63 - 1), _F.TYPE_SINT64: (-(2**63), 2**63 - 1), _F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    _F.TYPE_UINT32: (0, 2**32 - 1), _F.TYPE_FIXED32: (0, 2**32 - 1),
-    _F.TYPE_UINT64: (0, 2**64 - 1), _F.TYPE_FIXED64: (0, 2**64 - 1),
+    _F.TYPE_INT32: (-(2**31), 2**31 - 1),
+    _F.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    _F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    _F.TYPE_INT64: (-(2**63), 2**63 - 1),
+    _F.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    _F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    _F.TYPE_UINT32: (0, 2**32 - 1),
+    _F.TYPE_FIXED32: (0, 2**32 - 1),
+    _F.TYPE_UINT64: (0, 2**64 - 1),
+    _F.TYPE_FIXED64: (0, 2**64 - 1),
 }
 
 
@@ -61,8 +67,13 @@ def _message(draw: st.DrawFn, descriptor: Descriptor, depth: int, sparse: bool) 
         if not (draw(st.integers(0, 4)) == 0 if sparse else draw(st.booleans())):
             continue
         if _is_map(field):
-            key_field, value_field = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-            for key, value in draw(st.dictionaries(_scalar(key_field), _value(value_field, depth, sparse), max_size=3)).items():
+            key_field, value_field = (
+                field.message_type.fields_by_name["key"],
+                field.message_type.fields_by_name["value"],
+            )
+            for key, value in draw(
+                st.dictionaries(_scalar(key_field), _value(value_field, depth, sparse), max_size=3)
+            ).items():
                 if value_field.type == _F.TYPE_MESSAGE:
                     getattr(msg, field.name)[key].CopyFrom(value)
                 else:

@@ -37,8 +37,12 @@ CALL_TIMEOUT = 3.0
 # What a client may see from any public method (README, "Errors"); DEADLINE_EXCEEDED is the
 # fuzzer's own timeout on long generations and on the endless KV event stream.
 DOCUMENTED = {
-    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 METHODS: list[MethodDescriptor] = [
@@ -104,8 +108,13 @@ def _still_serving(s: ThreadedScheduler) -> None:
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.containing_service.name}.{m.name}")
@@ -148,7 +157,9 @@ def _near_valid() -> list[tuple[str, MethodDescriptor, Any, str]]:
     ]
 
 
-@pytest.mark.parametrize(("name", "method", "base", "fields"), _near_valid(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("name", "method", "base", "fields"), _near_valid(), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_valid_prompts_with_random_parameters_get_documented_statuses(
     server: ThreadedScheduler, name: str, method: MethodDescriptor, base: Any, fields: str
 ) -> None:

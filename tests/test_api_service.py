@@ -14,13 +14,18 @@ import pytest
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from tests.conftest import Scheduler, collect, request
 
+
 async def greedy(s: Scheduler, ids: list[int], n: int = 6, **fields: object) -> list[int]:
     return (await collect(s.stub, request(ids=ids, max_tokens=n, ignore_eos=True, **fields))).token_ids
 
 
 async def test_abort_rpc_cancels_a_stream_and_is_idempotent(tiny_scheduler: Scheduler) -> None:
     call = tiny_scheduler.stub.Generate(
-        pb.GenerateRequest(request_id="long-1", prompt_token_ids=[5, 6, 7], stopping=pb.StoppingCriteria(max_tokens=450, ignore_eos=True))
+        pb.GenerateRequest(
+            request_id="long-1",
+            prompt_token_ids=[5, 6, 7],
+            stopping=pb.StoppingCriteria(max_tokens=450, ignore_eos=True),
+        )
     )
     first = await call.read()
     assert first.request_id == "long-1"
@@ -79,8 +84,9 @@ async def test_request_id_metadata_is_echoed_and_never_a_key(tiny_scheduler: Sch
         assert sum(len(m.token_ids) for m in messages) == 2 and messages[0].request_id  # a server-assigned request id
     assert (await calls[0].initial_metadata()) == (await calls[1].initial_metadata())
     # Without the header, the request's own id is echoed.
-    call = tiny_scheduler.stub.Generate(pb.GenerateRequest(request_id="mine", prompt_token_ids=[3, 4],
-                                                           stopping=pb.StoppingCriteria(max_tokens=1)))
+    call = tiny_scheduler.stub.Generate(
+        pb.GenerateRequest(request_id="mine", prompt_token_ids=[3, 4], stopping=pb.StoppingCriteria(max_tokens=1))
+    )
     assert [m.request_id async for m in call] == ["mine"]
     assert dict(await call.initial_metadata())["x-request-id"] == "mine"
 
@@ -110,7 +116,9 @@ async def test_logit_bias_steers_greedy_and_penalties_push_back(tiny_scheduler: 
     pushed = await greedy(s, [20, 21, 22], n=60, logit_bias={777: 100.0}, frequency_penalty=2.0, presence_penalty=2.0)
     first_other = next(i for i, t in enumerate(pushed) if t != 777)
     assert 10 < first_other < 50, pushed
-    assert pushed == await greedy(s, [20, 21, 22], n=60, logit_bias={777: 100.0}, frequency_penalty=2.0, presence_penalty=2.0)
+    assert pushed == await greedy(
+        s, [20, 21, 22], n=60, logit_bias={777: 100.0}, frequency_penalty=2.0, presence_penalty=2.0
+    )
     # A repetition penalty divides the (biased, positive) logit of a token already in the prompt.
     assert (await greedy(s, [777, 777, 777], n=1, logit_bias={777: 100.0}))[0] == 777
     assert (await greedy(s, [777, 777, 777], n=1, logit_bias={777: 100.0}, repetition_penalty=1000.0))[0] != 777
@@ -132,7 +140,9 @@ async def test_include_stop_str_in_output_and_the_matched_stop(tiny_scheduler: S
     stop = plain.text.strip()[2:5]
     assert stop, "the tiny model's text is too short for this test"
     cut = await collect(s.stub, request(ids=[40, 41], max_tokens=12, ignore_eos=True, stop=[stop]))
-    kept = await collect(s.stub, request(ids=[40, 41], max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))
+    kept = await collect(
+        s.stub, request(ids=[40, 41], max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    )
     assert cut.final.finish_reason == kept.final.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert cut.final.stop_sequence == kept.final.stop_sequence == stop
     assert not cut.text.endswith(stop) and kept.text == cut.text + stop
@@ -155,7 +165,9 @@ async def test_include_stop_str_in_output_and_the_matched_stop(tiny_scheduler: S
         ({"beam_width": 2, "logit_bias": {5: 1.0}}, grpc.StatusCode.UNIMPLEMENTED, "sampling.logit_bias"),
     ],
 )
-async def test_bad_processing_options_are_refused(tiny_scheduler: Scheduler, fields: dict, code: grpc.StatusCode, where: str) -> None:
+async def test_bad_processing_options_are_refused(
+    tiny_scheduler: Scheduler, fields: dict, code: grpc.StatusCode, where: str
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(tiny_scheduler.stub, request(ids=[5, 6], max_tokens=8, **fields))
     assert err.value.code() == code and where in (err.value.details() or "")
@@ -181,15 +193,24 @@ def test_chat_template_renders_like_transformers(smollm2_dir: Path) -> None:
         [("user", "What is 2+2?")],
         [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")],
     ):
-        want = tok.apply_chat_template([{"role": r, "content": c} for r, c in conversation], tokenize=False,
-                                       add_generation_prompt=True)
+        want = tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in conversation], tokenize=False, add_generation_prompt=True
+        )
         assert template.render(conversation) == want
 
 
 async def test_concurrent_aborts_leave_nothing_behind(tiny_scheduler: Scheduler) -> None:
     stub = tiny_scheduler.stub
-    calls = [stub.Generate(pb.GenerateRequest(request_id=f"c{i}", prompt_token_ids=[7, 8, 9 + i],
-                                              stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True))) for i in range(6)]
+    calls = [
+        stub.Generate(
+            pb.GenerateRequest(
+                request_id=f"c{i}",
+                prompt_token_ids=[7, 8, 9 + i],
+                stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True),
+            )
+        )
+        for i in range(6)
+    ]
     await asyncio.gather(*(c.read() for c in calls))
     reply = await stub.Abort(pb.AbortRequest(request_ids=[f"c{i}" for i in range(6)]))
     assert sorted(reply.aborted) == [f"c{i}" for i in range(6)]
@@ -203,10 +224,22 @@ async def test_concurrent_aborts_leave_nothing_behind(tiny_scheduler: Scheduler)
 
 async def test_seeded_sampling_is_the_same_alone_and_among_16_others(tiny_scheduler: Scheduler) -> None:
     stub = tiny_scheduler.stub
-    seeded = request(ids=[50, 51, 52, 53], max_tokens=12, ignore_eos=True, temperature=1.0, seed=4242, top_k=50, min_p=0.01)
+    seeded = request(
+        ids=[50, 51, 52, 53], max_tokens=12, ignore_eos=True, temperature=1.0, seed=4242, top_k=50, min_p=0.01
+    )
     alone = await collect(stub, seeded)
-    others = [request(ids=[60 + i, 61, 62], max_tokens=12 + i, ignore_eos=True, temperature=1.0 + i / 10, seed=i,
-                      top_p=0.9, presence_penalty=0.5) for i in range(16)]
+    others = [
+        request(
+            ids=[60 + i, 61, 62],
+            max_tokens=12 + i,
+            ignore_eos=True,
+            temperature=1.0 + i / 10,
+            seed=i,
+            top_p=0.9,
+            presence_penalty=0.5,
+        )
+        for i in range(16)
+    ]
     together = await asyncio.gather(collect(stub, seeded), *(collect(stub, r) for r in others))
     assert together[0].token_ids == alone.token_ids and together[0].text == alone.text
     assert len({tuple(g.token_ids) for g in together}) == 17  # and everyone drew their own

@@ -113,8 +113,23 @@ def test_parse_args_rejects(argv: list[str]) -> None:
 
 def test_parse_args_accepts_overrides(tmp_path: Path) -> None:
     args = bench.parse_args(
-        ["--num-requests", "8", "--seed", "5", "--dtype", "float32", "--skip-hf", "--max-num-seqs", "16",
-         "--max-num-batched-tokens", "512", "--out", str(tmp_path / "r.json"), "--vllm-python", sys.executable]
+        [
+            "--num-requests",
+            "8",
+            "--seed",
+            "5",
+            "--dtype",
+            "float32",
+            "--skip-hf",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "512",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--vllm-python",
+            sys.executable,
+        ]
     )
     assert args.num_requests == 8 and args.seed == 5 and args.dtype == "float32" and args.skip_hf
     assert args.max_num_seqs == 16 and args.max_num_batched_tokens == 512
@@ -123,11 +138,24 @@ def test_parse_args_accepts_overrides(tmp_path: Path) -> None:
 
 def test_step_breakdown_from_the_schedulers_counters() -> None:
     before = {"steps": 10.0, "part:linear": 1.0, "part:plan_build": 0.1}
-    after = {"steps": 30.0, "part:linear": 5.0, "part:plan_build": 0.3, "part:attention": 2.0, "part:forward_other": 0.5,
-             "part:prepare": 0.2, "part:sampling": 0.3}
+    after = {
+        "steps": 30.0,
+        "part:linear": 5.0,
+        "part:plan_build": 0.3,
+        "part:attention": 2.0,
+        "part:forward_other": 0.5,
+        "part:prepare": 0.2,
+        "part:sampling": 0.3,
+    }
     out = bench.step_breakdown(before, after, wall_s=10.0)
-    assert out["steps"] == 20 and list(out["parts"]) == ["plan_build", "prepare", "linear", "attention",
-                                                          "forward_other", "sampling"]
+    assert out["steps"] == 20 and list(out["parts"]) == [
+        "plan_build",
+        "prepare",
+        "linear",
+        "attention",
+        "forward_other",
+        "sampling",
+    ]
     assert out["parts"]["linear"] == {"seconds": 4.0, "ms_per_step": 200.0, "share": 0.4}
     # The worker worked 0.2 + 4 + 2 + 0.5 + 0.3 = 7 s of the 10: idle the rest.
     assert abs(out["worker_idle_share"] - 0.3) < 1e-9

@@ -31,15 +31,30 @@ CPU_BLOCKS = 8
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("block-ops-model")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     LlamaForCausalLM(cfg).float().save_pretrained(str(path))
     return path
 
 
 def make_runner(model_dir: Path, **cache: object) -> ModelRunner:
-    return ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
-                                    cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, **cache)))  # type: ignore[arg-type]
+    return ModelRunner(
+        WorkerConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, **cache),
+        )
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +153,12 @@ def test_block_ops_outside_the_pools_are_refused_before_touching_the_cache(
     with pytest.raises(PlanError, match=message):
         runner.execute(ops_only(**ops))
     with pytest.raises(PlanError, match=message):  # also when the plan feeds sequences
-        runner.execute(with_fields(make_plan(0, [Feed(0, [1, 2], 0, [4])]), **{
-            name: np.array(pairs, np.int32) for name, pairs in ops.items()
-        }))
+        runner.execute(
+            with_fields(
+                make_plan(0, [Feed(0, [1, 2], 0, [4])]),
+                **{name: np.array(pairs, np.int32) for name, pairs in ops.items()},
+            )
+        )
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(runner.kv)))
 
 
@@ -232,9 +250,21 @@ def test_swap_pool_size_from_swap_space_gb_and_reported_in_worker_info(model_dir
 
 @skip_without_cuda()
 def test_swap_round_trip_through_the_pinned_pool_on_cuda() -> None:
-    shape = ModelShape(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
-                       tie_word_embeddings=True, qkv_bias=False, o_bias=False)
+    shape = ModelShape(
+        architecture="LlamaForCausalLM",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        o_bias=False,
+    )
     kv = KVCache(shape, 8, BLOCK, torch.bfloat16, torch.device("cuda"), num_cpu_blocks=4)
     assert kv.pinned and all(t.is_pinned() for layer in kv.host_layers for t in layer)
     for layer in kv.layers:
@@ -271,8 +301,17 @@ def test_plan_block_ops_and_num_logprobs_survive_the_wire() -> None:
         data = scheduler_wire.step_plan(plan).SerializeToString()
         back = worker_wire.step_plan(worker_pb.StepPlan.FromString(data))
         assert back.step_id == plan.step_id
-        for name in ("seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "sample",
-                     "swap_out", "swap_in", "copy"):
+        for name in (
+            "seq_ids",
+            "query_lens",
+            "context_lens",
+            "input_ids",
+            "block_tables",
+            "sample",
+            "swap_out",
+            "swap_in",
+            "copy",
+        ):
             got, want = getattr(back, name), getattr(plan, name)
             assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), name
         for name in ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs"):
@@ -298,8 +337,14 @@ def test_odd_block_op_lengths_are_refused_on_decode() -> None:
             top_token_ids=np.array([[7, 1], [-1, -1], [3, -1]], np.int32),
             top_logprobs=np.array([[-0.5, -1.5], [-np.inf, -np.inf], [-0.125, -np.inf]], np.float32),
         ),
-        StepResult(4, np.array([7, 8], np.int32), 0.0, np.array([-0.5, -1.0], np.float32),
-                   np.zeros((2, 0), np.int32), np.zeros((2, 0), np.float32)),
+        StepResult(
+            4,
+            np.array([7, 8], np.int32),
+            0.0,
+            np.array([-0.5, -1.0], np.float32),
+            np.zeros((2, 0), np.int32),
+            np.zeros((2, 0), np.float32),
+        ),
         StepResult(5, np.array([-1], np.int32)),  # nothing sampled, defaults
     ],
 )
@@ -329,8 +374,15 @@ def test_default_pools_are_sized_from_the_available_memory(model_dir: Path, monk
 
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000 * block_bytes)
-    small = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
-                                     cache=CacheConfig(block_size=BLOCK)))
+    small = ModelRunner(
+        WorkerConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=BLOCK),
+        )
+    )
     assert (small.kv.num_blocks, small.kv.num_cpu_blocks) == (300, 100)
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * GIB)
     assert host_memory.default_cpu_kv_bytes(host_memory.available_bytes()) == 2 * GIB

@@ -20,7 +20,7 @@ def test_gpu_memory_utilization_reaches_the_config_and_the_worker_command() -> N
     cmd = cli._worker_args(a, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.55"
     # The worker parses what `up` passes it into the same config.
-    worker = cli._parser().parse_args(cmd[cmd.index("worker"):] + ["--listen", "unix:///tmp/w.sock"])  # noqa: SLF001
+    worker = cli._parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])  # noqa: SLF001
     assert cli._worker_config(worker, "/models/m").cache.gpu_memory_utilization == 0.55  # noqa: SLF001
 
 
@@ -60,7 +60,10 @@ def test_server_errors_name_the_flag_that_set_the_field() -> None:
 def test_every_option_has_help() -> None:
     parser = cli._parser()  # noqa: SLF001
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    missing = [f"{name} {' '.join(action.option_strings) or action.dest}"
-               for name, sub in commands.choices.items() for action in sub._actions  # noqa: SLF001
-               if action.help is None]
+    missing = [
+        f"{name} {' '.join(action.option_strings) or action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions  # noqa: SLF001
+        if action.help is None
+    ]
     assert missing == []

@@ -14,13 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.pb.llmserve.v1 import generation_pb2 as pb
 from llmserve.client import (
     AsyncLlmserveClient,
     GenerateParams,
     LlmserveClient,
     generate_request,
 )
-from common.pb.llmserve.v1 import generation_pb2 as pb
 from tests.conftest import (
     Scheduler,
     WorkerProcess,
@@ -78,7 +78,12 @@ async def test_async_client_streams_and_generate_text_joins_the_stream(tiny_sche
 async def test_generate_text_keeps_output_0_only(tiny_scheduler: Scheduler) -> None:
     async with AsyncLlmserveClient(address(tiny_scheduler)) as client:
         params: GenerateParams = {
-            "prompt_token_ids": [5, 6, 7], "max_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 3, "n": 2
+            "prompt_token_ids": [5, 6, 7],
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "seed": 3,
+            "n": 2,
         }
         messages = [m async for m in client.generate(**params)]
         text = await client.generate_text(**params)
@@ -247,9 +252,22 @@ async def test_the_generate_command_chats_like_the_client(chat_scheduler: Schedu
     async with AsyncLlmserveClient(address(chat_scheduler)) as client:
         expected = await client.generate_text(messages=chat, max_tokens=6, ignore_eos=True)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmserve.cli", "generate", "Hi there!", "--chat", "--system", "Be brief.",
-        "--address", address(chat_scheduler), "--max-tokens", "6", "--ignore-eos",
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "generate",
+        "Hi there!",
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--address",
+        address(chat_scheduler),
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()

@@ -33,8 +33,14 @@ def k(request: pytest.FixtureRequest) -> CpuKernels:
 
 
 def _paged_batch(
-    q_lens: list[int], contexts: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, seed: int = 0,
+    q_lens: list[int],
+    contexts: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """q (a strided view, as the model's qkv split gives it), caches with NaN in every slot no
     sequence owns, shuffled block tables padded with -1, and the offsets."""
@@ -77,8 +83,9 @@ MIXED_C = [0, 15, 16, 17, 700, 0, 17, 33, 3]
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4), (5, 1), (12, 4), (16, 2)])
 def test_paged_attention_mixed_batch(k: CpuKernels, dtype: torch.dtype, heads: int, kv_heads: int) -> None:
     q, kc, vc, tables, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, heads, kv_heads, 64, 16, dtype)
-    out = k.paged_attention(q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor(MIXED_Q, dtype=torch.int32),
-                            seq_lens, 0.125)
+    out = k.paged_attention(
+        q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor(MIXED_Q, dtype=torch.int32), seq_lens, 0.125
+    )
     ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=_attention_tolerance(dtype), rtol=_attention_tolerance(dtype))
@@ -90,8 +97,16 @@ def test_paged_attention_head_and_block_sizes(k: CpuKernels, head_dim: int, bloc
     q_lens, contexts = [1, 1, 3, 1], [0, 40, 21, 95]
     for dtype in DTYPES:
         q, kc, vc, tables, starts, seq_lens = _paged_batch(q_lens, contexts, 6, 2, head_dim, block_size, dtype, seed=1)
-        out = k.paged_attention(q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor(q_lens, dtype=torch.int32),
-                                seq_lens, head_dim**-0.5)
+        out = k.paged_attention(
+            q,
+            kc,
+            vc,
+            tables,
+            starts[:-1].contiguous(),
+            torch.tensor(q_lens, dtype=torch.int32),
+            seq_lens,
+            head_dim**-0.5,
+        )
         ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, head_dim**-0.5)
         tol = _attention_tolerance(dtype)
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -103,8 +118,9 @@ def test_paged_attention_skips_sequences_without_rows(k: CpuKernels) -> None:
     q_lens = [1, 4, 1]
     q, kc, vc, tables, starts, seq_lens = _paged_batch(q_lens, [10, 0, 30], 4, 2, 64, 16, torch.float32)
     out = torch.full(q.shape, 7.0)
-    k.paged_attention(q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor([1, 0, 1], dtype=torch.int32),
-                      seq_lens, 0.125, out)
+    k.paged_attention(
+        q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor([1, 0, 1], dtype=torch.int32), seq_lens, 0.125, out
+    )
     ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
     assert torch.equal(out[1:5], torch.full((4, 4, 64), 7.0))
     torch.testing.assert_close(out[[0, 5]], ref[[0, 5]], atol=1e-5, rtol=1e-5)
@@ -117,8 +133,16 @@ def test_paged_attention_is_the_same_for_a_sequence_in_any_batch(k: CpuKernels) 
     ones = torch.ones(6, dtype=torch.int32)
     full = k.paged_attention(q, kc, vc, tables, starts[:-1].contiguous(), ones, seq_lens, 0.125)
     for i in range(6):
-        alone = k.paged_attention(q[i : i + 1], kc, vc, tables[i : i + 1].contiguous(), torch.zeros(1, dtype=torch.int32),
-                                  ones[:1], seq_lens[i : i + 1].contiguous(), 0.125)
+        alone = k.paged_attention(
+            q[i : i + 1],
+            kc,
+            vc,
+            tables[i : i + 1].contiguous(),
+            torch.zeros(1, dtype=torch.int32),
+            ones[:1],
+            seq_lens[i : i + 1].contiguous(),
+            0.125,
+        )
         assert torch.equal(alone[0], full[i])
 
 
@@ -224,7 +248,9 @@ def test_bad_arguments_are_named(k: CpuKernels) -> None:
         k.silu_and_mul(torch.zeros(2, 7))
 
 
-def test_library_is_cached_by_sources_and_machine(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_library_is_cached_by_sources_and_machine(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
     first = build("native")
     assert first.is_file() and str(first).startswith(str(tmp_path))

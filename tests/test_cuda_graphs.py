@@ -27,7 +27,9 @@ BLOCK = 8
 
 
 def decodes(step_id: int, contexts: list[int], tables: list[list[int]]) -> object:
-    return make_plan(step_id, [Feed(i, [10 + i], c, t, output_position=1) for i, (c, t) in enumerate(zip(contexts, tables))])
+    return make_plan(
+        step_id, [Feed(i, [10 + i], c, t, output_position=1) for i, (c, t) in enumerate(zip(contexts, tables))]
+    )
 
 
 def test_which_steps_replay() -> None:
@@ -58,11 +60,27 @@ def test_staged_inputs_pad_inertly() -> None:
 def triton_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = tmp_path_factory.mktemp("graphs-model")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     LlamaForCausalLM(cfg).float().save_pretrained(str(path))
-    return ModelRunner(WorkerConfig(model=str(path), dtype="float32", device=KERNEL_DEVICE, attention_backend="triton",
-                                    cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16), max_num_seqs=8))
+    return ModelRunner(
+        WorkerConfig(
+            model=str(path),
+            dtype="float32",
+            device=KERNEL_DEVICE,
+            attention_backend="triton",
+            cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16),
+            max_num_seqs=8,
+        )
+    )
 
 
 def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelRunner) -> None:
@@ -71,7 +89,9 @@ def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelR
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11], [99, 3]]
     tables = [[3, 9], [4, 2], [6, 1]]
     runner.execute(make_plan(0, [Feed(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]))
-    plan = make_plan(1, [Feed(i, [20 + i], len(p), t, output_position=1) for i, (p, t) in enumerate(zip(prompts, tables))])
+    plan = make_plan(
+        1, [Feed(i, [20 + i], len(p), t, output_position=1) for i, (p, t) in enumerate(zip(prompts, tables))]
+    )
     ids, positions, meta, _ = runner._inputs(plan)
     kv_before = [(k.clone(), v.clone()) for k, v in runner.kv.layers]
     eager = runner.model(ids, positions, runner.kv.layers, meta)
@@ -86,8 +106,13 @@ def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelR
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(dev)
 
-    static_meta = TritonAttentionMetadata(slot_mapping=t(s.slot_mapping), block_tables=t(s.block_tables),
-                                          seq_lens=t(s.seq_lens), query_start_loc=t(s.query_start_loc), decode_only=True)
+    static_meta = TritonAttentionMetadata(
+        slot_mapping=t(s.slot_mapping),
+        block_tables=t(s.block_tables),
+        seq_lens=t(s.seq_lens),
+        query_start_loc=t(s.query_start_loc),
+        decode_only=True,
+    )
     padded = runner.model(t(s.input_ids), t(s.positions), runner.kv.layers, static_meta)
     assert padded.shape[0] == 4
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=0)
@@ -103,11 +128,25 @@ def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelR
 def test_replayed_decode_steps_equal_eager_ones(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("graphs-gpu-model")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+    )
     LlamaForCausalLM(cfg).float().save_pretrained(str(path))
-    config = WorkerConfig(model=str(path), dtype="float32", device="cuda", attention_backend="triton",
-                          cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=0), max_num_seqs=16)
+    config = WorkerConfig(
+        model=str(path),
+        dtype="float32",
+        device="cuda",
+        attention_backend="triton",
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=0),
+        max_num_seqs=16,
+    )
     graphs, eager = ModelRunner(config), ModelRunner(dataclasses.replace(config, enforce_eager=True))
     assert graphs._graphs is not None and eager._graphs is None
     for n in (1, 3, 9):  # buckets 1, 4, 16: padding rows of every kind
@@ -118,7 +157,9 @@ def test_replayed_decode_steps_equal_eager_ones(tmp_path_factory: pytest.TempPat
             tokens = [list(p) for p in prompts]
             context = [0] * n
             for step in range(6):
-                feeds = [Feed(i, tokens[i][context[i]:], context[i], tables[i], output_position=step) for i in range(n)]
+                feeds = [
+                    Feed(i, tokens[i][context[i] :], context[i], tables[i], output_position=step) for i in range(n)
+                ]
                 result = runner.execute(make_plan(step, feeds))
                 for i in range(n):
                     context[i] = len(tokens[i])

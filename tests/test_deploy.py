@@ -121,7 +121,11 @@ def test_every_service_uses_the_same_model_from_the_model_volume() -> None:
     assert match, f"the model path is not a variable with a default: {model}"
     default_model = match.group(1)
     for name in ("model-prep", *LONG_RUNNING):
-        mounts = {volume.split(":")[1]: volume for volume in SERVICES[name]["volumes"] if volume.startswith(f"{MODEL_VOLUME}:")}
+        mounts = {
+            volume.split(":")[1]: volume
+            for volume in SERVICES[name]["volumes"]
+            if volume.startswith(f"{MODEL_VOLUME}:")
+        }
         assert list(mounts) == ["/cache"], name
     for name in LONG_RUNNING:
         # The scheduler refuses a worker whose model differs, so all name the same directory.
@@ -256,7 +260,10 @@ def test_health_check_is_a_grpc_health_probe_that_passes_only_when_serving(
     assert own in code and "grpc_health.v1" in code, name
     port, servicer = health_server
     probe = code.replace(own, f"127.0.0.1:{port}")
-    for status, exit_code in ((health_pb2.HealthCheckResponse.SERVING, 0), (health_pb2.HealthCheckResponse.NOT_SERVING, 1)):
+    for status, exit_code in (
+        (health_pb2.HealthCheckResponse.SERVING, 0),
+        (health_pb2.HealthCheckResponse.NOT_SERVING, 1),
+    ):
         servicer.set("", status)
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
         assert done.returncode == exit_code, (name, status, done.stderr)
@@ -318,7 +325,7 @@ def test_a_third_gpu_is_the_worker_1_block_copied_as_worker_2(tmp_path: Path) ->
     # What README.md and compose.yaml tell a user with three GPUs to do.
     text = (REPO / "compose.yaml").read_text()
     start = text.index("\n  worker-1:\n") + 1
-    block = text[start:text.index("\n\n", start) + 1]
+    block = text[start : text.index("\n\n", start) + 1]
     assert 'device_ids: ["1"]' in block and "worker-1:50052" in block
     copy = block.replace("worker-1", "worker-2").replace('device_ids: ["1"]', 'device_ids: ["2"]')
     three = tmp_path / "compose.yaml"
@@ -355,7 +362,8 @@ def test_the_scheduler_image_leaves_out_only_what_the_scheduler_never_imports() 
     missing = every - names
     # A module is missing when every distribution that provides it is.
     modules = sorted(
-        module for module, dists in importlib.metadata.packages_distributions().items()
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
         if all(requirements_tool.requirement_name(d) in missing for d in dists)
     )
     assert "torch" in modules and "triton" in modules
@@ -386,7 +394,8 @@ def test_the_scheduler_image_leaves_out_only_what_the_scheduler_never_imports() 
 
 def test_the_docker_build_context_holds_what_the_dockerfile_copies() -> None:
     ignored = {
-        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
     assert {".venv", ".git"} <= ignored
@@ -493,7 +502,10 @@ def test_k8s_workers_register_with_the_scheduler_service_under_their_pod_dns_nam
 
 def test_k8s_pods_prepare_the_same_model_into_their_model_volume() -> None:
     models = set()
-    for key, name in ((("Deployment", "llmserve-scheduler"), "scheduler"), (("StatefulSet", "llmserve-worker"), "worker")):
+    for key, name in (
+        (("Deployment", "llmserve-scheduler"), "scheduler"),
+        (("StatefulSet", "llmserve-worker"), "worker"),
+    ):
         pod = K8S[key]["spec"]["template"]["spec"]
         container = _container(K8S[key], name)
         (prep,) = pod["initContainers"]
@@ -569,7 +581,9 @@ def test_k8s_kustomization_lists_every_manifest() -> None:
     images = {image["name"] for image in kustomization["images"]}
     used = {
         c["image"].split(":")[0]
-        for doc in K8S.values() if "template" in doc.get("spec", {})
-        for c in doc["spec"]["template"]["spec"]["containers"] + doc["spec"]["template"]["spec"].get("initContainers", [])
+        for doc in K8S.values()
+        if "template" in doc.get("spec", {})
+        for c in doc["spec"]["template"]["spec"]["containers"]
+        + doc["spec"]["template"]["spec"].get("initContainers", [])
     }
     assert used == images == {"llmserve-scheduler", "llmserve-worker"}

@@ -22,8 +22,22 @@ async def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(
 ) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "scheduler", "--model", str(tiny_model_dir),
-         "--worker", tiny_worker.address, "--port", str(port), "--drain-timeout", "30"],
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "warning",
+            "scheduler",
+            "--model",
+            str(tiny_model_dir),
+            "--worker",
+            tiny_worker.address,
+            "--port",
+            str(port),
+            "--drain-timeout",
+            "30",
+        ],
         cwd=REPO,
     )
     try:

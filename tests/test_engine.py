@@ -38,7 +38,9 @@ class FakeWorker:
 
     async def connect(self, timeout: float) -> WorkerInfo:
         self.connects += 1
-        return WorkerInfo(self.spec.name, self.spec.vocab_size, self.spec.max_model_len, "float32", "cpu", 0, 1, 16, 64, 0)
+        return WorkerInfo(
+            self.spec.name, self.spec.vocab_size, self.spec.max_model_len, "float32", "cpu", 0, 1, 16, 64, 0
+        )
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         self.steps += 1
@@ -84,7 +86,9 @@ async def run(engine: Engine, **fields: object) -> list[RequestOutput]:
     return [out async for out in engine.generate(req)]
 
 
-async def test_a_crash_in_the_loop_fails_requests_and_the_engine_recovers(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+async def test_a_crash_in_the_loop_fails_requests_and_the_engine_recovers(
+    spec: ModelSpec, tokenizer: Tokenizer
+) -> None:
     worker = FakeWorker(spec, [300, 301, 302], fail_at_step=3)
     engine = await started(spec, tokenizer, worker)
     try:
@@ -110,7 +114,9 @@ async def test_a_crash_before_any_token_is_unavailable(spec: ModelSpec, tokenize
         await engine.stop()
 
 
-async def test_stop_string_on_the_last_allowed_token_reports_stop_sequence(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+async def test_stop_string_on_the_last_allowed_token_reports_stop_sequence(
+    spec: ModelSpec, tokenizer: Tokenizer
+) -> None:
     script = tokenizer.encode(" alpha beta gamma")
     engine = await started(spec, tokenizer, FakeWorker(spec, script))
     try:
@@ -182,8 +188,11 @@ class SeedScriptWorker(FakeWorker):
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         tokens = [
-            (self.first if int(plan.sampling.seed[i]) == self.seed else self.other)[int(plan.sampling.output_position[i])]
-            if plan.sample[i] else -1
+            (self.first if int(plan.sampling.seed[i]) == self.seed else self.other)[
+                int(plan.sampling.output_position[i])
+            ]
+            if plan.sample[i]
+            else -1
             for i in range(plan.num_seqs)
         ]
         return StepResult(plan.step_id, np.array(tokens, np.int32)), StepTiming(0, 0.0, 0.0)
@@ -240,7 +249,9 @@ async def test_request_limits_are_server_flags(spec: ModelSpec, tokenizer: Token
         await engine.stop()
 
 
-async def test_a_slow_reader_gets_the_queued_pieces_of_an_output_in_one_message(spec: ModelSpec, tokenizer: Tokenizer) -> None:
+async def test_a_slow_reader_gets_the_queued_pieces_of_an_output_in_one_message(
+    spec: ModelSpec, tokenizer: Tokenizer
+) -> None:
     script = tokenizer.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False)
     worker = FakeWorker(spec, script)
     worker.delay = 0.01  # a step takes a while: a reader that keeps up gets one token per message

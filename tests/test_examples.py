@@ -46,7 +46,11 @@ def node_example() -> Path:
     if not _installed_matches_pins():
         done = subprocess.run(
             ["npm", "ci", "--no-audit", "--no-fund"],
-            cwd=NODE_DIR, capture_output=True, text=True, timeout=300, check=False,
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         if done.returncode != 0:
             pytest.skip(f"npm ci failed (registry unreachable?): {done.stderr[-2000:]}")
@@ -71,7 +75,13 @@ async def run_node(script: Path, *args: str, timeout: float = 120.0) -> tuple[in
 async def test_node_streams_the_same_tokens_as_a_python_call(tiny_scheduler: Scheduler, node_example: Path) -> None:
     expected = await collect(tiny_scheduler.stub, request(ids=[10, 20, 30, 40], max_tokens=7, ignore_eos=True))
     code, out, err = await run_node(
-        node_example, "--address", f"127.0.0.1:{tiny_scheduler.port}", "--ids", "10,20,30,40", "--max-tokens", "7",
+        node_example,
+        "--address",
+        f"127.0.0.1:{tiny_scheduler.port}",
+        "--ids",
+        "10,20,30,40",
+        "--max-tokens",
+        "7",
         "--ignore-eos",
     )
     assert code == 0, err
@@ -86,8 +96,17 @@ async def test_node_text_prompt_with_seeded_sampling(tiny_scheduler: Scheduler, 
         tiny_scheduler.stub, request(prompt, max_tokens=6, ignore_eos=True, temperature=0.9, seed=seed)
     )
     code, out, err = await run_node(
-        node_example, prompt, "--address", f"127.0.0.1:{tiny_scheduler.port}", "--max-tokens", "6", "--ignore-eos",
-        "--temperature", "0.9", "--seed", str(seed),
+        node_example,
+        prompt,
+        "--address",
+        f"127.0.0.1:{tiny_scheduler.port}",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--temperature",
+        "0.9",
+        "--seed",
+        str(seed),
     )
     assert code == 0, err
     assert out == expected.text + "\n"
@@ -126,9 +145,7 @@ async def test_node_info_prints_model_info(tiny_scheduler: Scheduler, node_examp
 
 async def test_node_tokenize_prints_the_prompt_tokens(tiny_scheduler: Scheduler, node_example: Path) -> None:
     prompt = "Hello there"
-    code, out, err = await run_node(
-        node_example, prompt, "--address", f"127.0.0.1:{tiny_scheduler.port}", "--tokenize"
-    )
+    code, out, err = await run_node(node_example, prompt, "--address", f"127.0.0.1:{tiny_scheduler.port}", "--tokenize")
     assert code == 0, err
     assert json.loads(out)["token_ids"] == tiny_scheduler.engine.tokenizer.encode(prompt)
 
@@ -141,7 +158,13 @@ async def test_node_chat_sends_a_user_message(chat_scheduler: Scheduler, node_ex
         )
         n_prompt = len((await client.tokenize(messages=[{"role": "user", "content": question}])).token_ids)
     code, out, err = await run_node(
-        node_example, "--chat", question, "--address", f"127.0.0.1:{chat_scheduler.port}", "--max-tokens", "6",
+        node_example,
+        "--chat",
+        question,
+        "--address",
+        f"127.0.0.1:{chat_scheduler.port}",
+        "--max-tokens",
+        "6",
         "--ignore-eos",
     )
     assert code == 0, err

@@ -48,7 +48,9 @@ def distinct_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_until(
+    condition: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc is not None:
@@ -116,11 +118,30 @@ class Scheduler:
         self.port, self.metrics_port, self.http_port, self.http_metrics_port = distinct_ports(4)
         self.log = log
         cmd = [
-            sys.executable, "-m", "llmserve.cli", "--log-level", "info" if log else "warning", "up", "--model", str(model_dir),
-            "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "256",
-            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "info" if log else "warning",
+            "up",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--num-gpu-blocks",
+            "256",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
         ]
-        cmd += ["--http-port", str(self.http_port), "--http-metrics-port", str(self.http_metrics_port)] if http else ["--no-http"]
+        cmd += (
+            ["--http-port", str(self.http_port), "--http-metrics-port", str(self.http_metrics_port)]
+            if http
+            else ["--no-http"]
+        )
         self.http = http
         self.address = f"127.0.0.1:{self.port}"
         with ExitStack() as files:
@@ -158,7 +179,8 @@ class Scheduler:
         blocks count as free, as in tests/conftest.py's wait_idle)."""
         text = self.metrics()
         return (
-            metric(text, "llmserve:num_requests_running") == 0 and metric(text, "llmserve:num_requests_waiting") == 0
+            metric(text, "llmserve:num_requests_running") == 0
+            and metric(text, "llmserve:num_requests_waiting") == 0
             and metric(text, "llmserve:group_gpu_blocks") > 0
             and metric(text, "llmserve:group_free_gpu_blocks") == metric(text, "llmserve:group_gpu_blocks")
         )
@@ -267,7 +289,12 @@ def test_n_2_gives_two_choices(client: openai.OpenAI) -> None:
 
 def test_chat_logprobs_match_the_native_api(client: openai.OpenAI, native: LlmserveClient) -> None:
     answer = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,  # type: ignore[arg-type]
     )
     choice = answer.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
@@ -308,7 +335,12 @@ def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI, native: Ll
 def test_the_same_seed_gives_the_same_text_at_temperature_1(client: openai.OpenAI, native: LlmserveClient) -> None:
     def sample(seed: int) -> str:
         answer = client.completions.create(
-            model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
         )
         return answer.choices[0].text
 
@@ -344,7 +376,12 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(client: openai.
     wait_until(up.idle, 30, "idle before the test")
     generated = metric(up.metrics(), "llmserve:generation_tokens_total")
     stream = client.completions.create(
-        model=MODEL, prompt="Tell me a long story", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt="Tell me a long story",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     received = 0
     for _ in stream:
@@ -376,25 +413,47 @@ def test_cache_aware_routing_sends_a_shared_prefix_to_the_scheduler_that_holds_i
     a, b = schedulers
     http_port, metrics_port = distinct_ports(2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "gateway", "--scheduler", a.address,
-         "--scheduler", b.address, "--http-port", str(http_port), "--http-metrics-port", str(metrics_port),
-         "--policy", "cache_aware"],
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "warning",
+            "gateway",
+            "--scheduler",
+            a.address,
+            "--scheduler",
+            b.address,
+            "--http-port",
+            str(http_port),
+            "--http-metrics-port",
+            str(metrics_port),
+            "--policy",
+            "cache_aware",
+        ],
         cwd=REPO,
     )
     gateway_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         wait_until(
             lambda: json.loads(http(f"http://127.0.0.1:{http_port}/readiness")[1] or "{}").get("healthy_workers") == 2,
-            60, "both schedulers healthy behind the gateway", proc,
+            60,
+            "both schedulers healthy behind the gateway",
+            proc,
         )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=60)
-        words = random.Random(7).choices(["alpha", "river", "stone", "cloud", "maple", "ember", "quartz", "lumen"], k=220)
+        words = random.Random(7).choices(
+            ["alpha", "river", "stone", "cloud", "maple", "ember", "quartz", "lumen"], k=220
+        )
         prefix = "Shared context: " + " ".join(words)
 
         def counters() -> list[tuple[float, float]]:
             """(prompt tokens, prefix-cache hit tokens) of each scheduler so far."""
             texts = [s.metrics() for s in schedulers]
-            return [(metric(t, "llmserve:prompt_tokens_total"), metric(t, "llmserve:prefix_cache_hits_total")) for t in texts]
+            return [
+                (metric(t, "llmserve:prompt_tokens_total"), metric(t, "llmserve:prefix_cache_hits_total"))
+                for t in texts
+            ]
 
         before = counters()
         client.completions.create(model=MODEL, prompt=f"{prefix} Question 0?", max_tokens=1)
@@ -406,7 +465,9 @@ def test_cache_aware_routing_sends_a_shared_prefix_to_the_scheduler_that_holds_i
         # The gateway routes on the prefix-cache events the scheduler streams: wait until it has them.
         wait_until(
             lambda: metric(http(gateway_metrics)[1], "smg_kv_index_blocks", worker=home_url) >= 10,
-            30, "the prompt's blocks indexed by the gateway", proc,
+            30,
+            "the prompt's blocks indexed by the gateway",
+            proc,
         )
         for q in range(1, 5):
             before = counters()
@@ -480,9 +541,22 @@ def test_up_refuses_a_held_http_port_before_starting_anything(tiny_model_dir: Pa
         held.listen()
         port = held.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "llmserve.cli", "up", "--model", str(tiny_model_dir), "--http-port", str(port),
-             "--port", str(distinct_ports(1)[0])],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "up",
+                "--model",
+                str(tiny_model_dir),
+                "--http-port",
+                str(port),
+                "--port",
+                str(distinct_ports(1)[0]),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert out.returncode == 2, out.stderr
     assert f"--http-port 127.0.0.1:{port}: in use by another process" in out.stderr
@@ -506,11 +580,16 @@ def test_gateway_command_needs_schedulers_or_discovery() -> None:
 
 
 def test_the_smg_command_line() -> None:
-    listed = smg_command(GatewayConfig(schedulers=("s1:50051", "s2:50051"), host="0.0.0.0", port=8000, metrics_port=9092), "smg")
+    listed = smg_command(
+        GatewayConfig(schedulers=("s1:50051", "s2:50051"), host="0.0.0.0", port=8000, metrics_port=9092), "smg"
+    )
     assert listed[:4] == ["smg", "launch", "--backend", "vllm"]
     assert listed[listed.index("--worker-urls") + 1 :][:2] == ["grpc://s1:50051", "grpc://s2:50051"]
     # The metrics listener is always placed explicitly (smg's default is 0.0.0.0:29000).
-    assert listed[listed.index("--prometheus-host") + 1] == "0.0.0.0" and listed[listed.index("--prometheus-port") + 1] == "9092"
+    assert (
+        listed[listed.index("--prometheus-host") + 1] == "0.0.0.0"
+        and listed[listed.index("--prometheus-port") + 1] == "9092"
+    )
     assert listed[listed.index("--policy") + 1] == "cache_aware"
     found = smg_command(
         GatewayConfig(discovery=KubernetesDiscovery(("app.kubernetes.io/component=scheduler",), 50051, "prod")), "smg"

@@ -17,8 +17,14 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")},
+    )
 
 
 def test_help_and_argument_errors() -> None:
@@ -47,7 +53,14 @@ def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
     assert result["e2e"]["sequences_identical_between_backends"] == "4/4"
     assert result["large_cache"]["ok"] and result["large_cache"]["max_abs_err"] >= 0
     assert {name: case["ok"] for name, case in result["token_limit"].items()} == {
-        "rms_norm": True, "silu_and_mul": True, "rotary": True}
+        "rms_norm": True,
+        "silu_and_mul": True,
+        "rotary": True,
+    }
     assert result["tensor_parallel"]["sequences_identical_tp2_vs_tp1"] == "4/4"
-    assert set(result["targets"]) == {"decode_64x4k_fraction_of_copy_bandwidth", "decode_target_met",
-                                      "prefill_fraction_of_peak", "prefill_target_met"}
+    assert set(result["targets"]) == {
+        "decode_64x4k_fraction_of_copy_bandwidth",
+        "decode_target_met",
+        "prefill_fraction_of_peak",
+        "prefill_target_met",
+    }

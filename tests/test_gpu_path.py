@@ -36,8 +36,14 @@ from worker_svc.servicer import WorkerServicer
 ROPES: dict[str, dict[str, Any]] = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
 }
 SCALED = ["linear", "llama3", "yarn"]
@@ -45,8 +51,14 @@ SCALED = ["linear", "llama3", "yarn"]
 
 def tiny_config(rope: str = "default", **overrides: Any) -> LlamaConfig:
     params: dict[str, Any] = dict(
-        vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_parameters=dict(ROPES[rope]),
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=dict(ROPES[rope]),
     )
     return LlamaConfig(**(params | overrides))
 
@@ -116,8 +128,9 @@ class FakeRunner:
     order: the plan checks (`refuse`: they raise PlanError), then the forward pass, whose
     kernels launch on the current CUDA device (`fail`: it raises)."""
 
-    def __init__(self, device: str = "cpu", world_size: int = 1, refuse: bool = False,
-                 fail: Exception | None = None) -> None:
+    def __init__(
+        self, device: str = "cpu", world_size: int = 1, refuse: bool = False, fail: Exception | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.group = ParallelGroup(0, world_size)
         self.config = SimpleNamespace(profile_steps=False)
@@ -198,8 +211,10 @@ class RankExit(Exception):
 
 
 # Triton's error for a pointer on another device than the current one, and a CUDA fault.
-KERNEL_ERRORS = [ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"),
-                 RuntimeError("CUDA error: an illegal memory access was encountered")]
+KERNEL_ERRORS = [
+    ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"),
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+]
 
 
 @pytest.mark.parametrize("error", KERNEL_ERRORS, ids=["ValueError", "RuntimeError"])

@@ -56,13 +56,32 @@ def test_a_worker_refuses_a_token_budget_past_the_limit(tmp_path: Path) -> None:
     from common.config import WorkerConfig
     from worker_svc.runner import ModelRunner
 
-    LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=2**30, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(tmp_path)  # no weights: refused before they are read
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=2**30,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path)  # no weights: refused before they are read
     with pytest.raises(ValueError, match=r"^--max-num-batched-tokens 2048 is above 0, the most tokens one step"):
         ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", attention_backend="triton"))
     budget = max_tokens_per_step(**SMOLLM2_135M) + 1
-    LlamaConfig(vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
-                num_key_value_heads=3).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"^--max-num-batched-tokens {budget} is above {budget - 1}"):
-        ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", attention_backend="triton",
-                                 max_num_batched_tokens=budget))
+        ModelRunner(
+            WorkerConfig(
+                model=str(tmp_path),
+                dtype="float32",
+                device="cpu",
+                attention_backend="triton",
+                max_num_batched_tokens=budget,
+            )
+        )

@@ -21,8 +21,14 @@ from tests.conftest import REPO
 def resources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("kernel_resources")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--quick", "--results-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/kernel_resources.py", "--quick", "--results-dir", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(Path(out, "kernel_resources.json").read_text())
 
@@ -41,8 +47,11 @@ def test_every_kernel_and_dtype_is_measured(resources: dict[str, object]) -> Non
 def test_no_spills_at_head_dim_64_and_128(resources: dict[str, object]) -> None:
     configs = resources["configs"]
     assert isinstance(configs, list)
-    spilling = [f"{c['config']}-{c['dtype']}: {c['spill_stores']} B stored, {c['spill_loads']} B loaded"
-                for c in configs if c["spill_stores"] or c["spill_loads"]]
+    spilling = [
+        f"{c['config']}-{c['dtype']}: {c['spill_stores']} B stored, {c['spill_loads']} B loaded"
+        for c in configs
+        if c["spill_stores"] or c["spill_loads"]
+    ]
     assert spilling == [], "\n".join(spilling)
 
 

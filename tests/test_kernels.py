@@ -43,8 +43,6 @@ SMALL_GRID = [
 ]
 
 
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         full = metafunc.config.getoption("--full-kernels")
@@ -53,7 +51,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("case", cases, ids=ids)
 
 
-def paged_cache(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, extra_width: int = 0):
+def paged_cache(
+    lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, extra_width: int = 0
+):
     """NaN-filled caches holding random K/V for sequences of the given lengths.
 
     Block ids are shuffled across sequences; block 0 is never used and is what table padding
@@ -70,7 +70,7 @@ def paged_cache(lens: list[int], num_kv_heads: int, head_dim: int, block_size: i
     for i, (n, nb) in enumerate(zip(lens, blocks_per_seq)):
         ids = [order.pop() for _ in range(nb)]
         tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
-        for name, cache in (("k", k_cache), ("v", v_cache)):
+        for cache in (k_cache, v_cache):
             flat = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=g).to(dtype)
             flat[n:] = float("nan")
             cache[torch.tensor(ids)] = flat.view(nb, block_size, num_kv_heads, head_dim)
@@ -175,9 +175,18 @@ def test_rotary_in_place_with_llama3_scaling(dtype: torch.dtype) -> None:
     from worker_svc.rotary import RotaryEmbedding
 
     config = LlamaConfig(
-        hidden_size=640, num_attention_heads=8, head_dim=80, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+        hidden_size=640,
+        num_attention_heads=8,
+        head_dim=80,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
     )
     rope = RotaryEmbedding(config, 80, 4096, dtype).to(DEVICE)
     positions = torch.tensor([0, 1, 513, 4095, 7, 2048], device=DEVICE)
@@ -215,7 +224,9 @@ def test_wrappers_refuse_bad_arguments_with_the_argument_named() -> None:
     with pytest.raises(ValueError, match="^out: expected shape"):
         paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, out=torch.empty(2, 4, 64, device=DEVICE))
     with pytest.raises(ValueError, match="^query_start_loc: expected shape"):
-        paged_prefill_attention(q, k_cache, v_cache, tables, torch.zeros(5, dtype=torch.int32, device=DEVICE), seq_lens, 0.1)
+        paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.zeros(5, dtype=torch.int32, device=DEVICE), seq_lens, 0.1
+        )
     with pytest.raises(ValueError, match="^slot_mapping: dtype"):
         store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="^x: last dimension must be even"):

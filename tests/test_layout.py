@@ -31,7 +31,11 @@ def test_scheduler_service_imports_no_torch_or_triton() -> None:
 def test_kernels_is_this_repositorys_package() -> None:
     # An unrelated PyPI package is also called `kernels`; ours must win, from any directory.
     out = subprocess.run(
-        [sys.executable, "-c", "import kernels; print(kernels.__file__)"], capture_output=True, text=True, check=True, cwd="/"
+        [sys.executable, "-c", "import kernels; print(kernels.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
     )
     assert Path(out.stdout.strip()).resolve() == (REPO / "kernels" / "__init__.py").resolve()
 
@@ -40,7 +44,9 @@ def test_committed_stubs_match_the_protos(tmp_path: Path) -> None:
     protogen.generate(tmp_path)
     committed = REPO / "common" / "pb"
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert fresh == sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert fresh == sorted(
+        p.relative_to(committed) for p in committed.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
     stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / p, committed / p, shallow=False)]
     assert not stale, f"stubs out of date, run `make protos`: {stale}"
 

@@ -45,12 +45,22 @@ def test_repetition_penalty_matches_transformers() -> None:
     logits = torch.randn(3, VOCAB) * 3
     histories = [[1, 5, 5, 9], [], [0, 39, 2]]
     offsets, ids = ragged(histories)
-    b = batch(3, repetition_penalty=np.array([1.3, 1.0, 0.7], np.float32), presence_penalty=np.zeros(3, np.float32),
-              frequency_penalty=np.zeros(3, np.float32), history_offsets=offsets, history_token_ids=ids,
-              output_position=np.array([2, 0, 1], np.int32))
+    b = batch(
+        3,
+        repetition_penalty=np.array([1.3, 1.0, 0.7], np.float32),
+        presence_penalty=np.zeros(3, np.float32),
+        frequency_penalty=np.zeros(3, np.float32),
+        history_offsets=offsets,
+        history_token_ids=ids,
+        output_position=np.array([2, 0, 1], np.int32),
+    )
     got = process_logits(logits, b, np.arange(3))
     for i, (hist, p) in enumerate(zip(histories, [1.3, 1.0, 0.7])):
-        want = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([hist or [0]]), logits[i : i + 1].clone()) if hist else logits[i : i + 1]
+        want = (
+            RepetitionPenaltyLogitsProcessor(p)(torch.tensor([hist or [0]]), logits[i : i + 1].clone())
+            if hist
+            else logits[i : i + 1]
+        )
         torch.testing.assert_close(got[i : i + 1], want)
 
 
@@ -58,9 +68,15 @@ def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = torch.zeros(1, VOCAB)
     # prompt [7, 7, 3] then output [3, 3, 8]
     offsets, ids = ragged([[7, 7, 3, 3, 3, 8]])
-    b = batch(1, repetition_penalty=np.ones(1, np.float32), presence_penalty=np.full(1, 0.5, np.float32),
-              frequency_penalty=np.full(1, 0.25, np.float32), history_offsets=offsets, history_token_ids=ids,
-              output_position=np.full(1, 3, np.int32))
+    b = batch(
+        1,
+        repetition_penalty=np.ones(1, np.float32),
+        presence_penalty=np.full(1, 0.5, np.float32),
+        frequency_penalty=np.full(1, 0.25, np.float32),
+        history_offsets=offsets,
+        history_token_ids=ids,
+        output_position=np.full(1, 3, np.int32),
+    )
     got = process_logits(logits, b, np.arange(1))[0]
     want = torch.zeros(VOCAB)
     want[3] = -(0.5 + 0.25 * 2)

@@ -43,7 +43,9 @@ async def test_undecodable_bytes_are_invalid_argument(tiny_scheduler: Scheduler,
 
 @pytest.mark.parametrize("request_id", ["line\nbreak", "é-accent", "tab\there", "x" * 257])
 async def test_request_ids_that_cannot_be_metadata_are_refused(tiny_scheduler: Scheduler, request_id: str) -> None:
-    request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6], stopping=pb.StoppingCriteria(max_tokens=2))
+    request = pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=[5, 6], stopping=pb.StoppingCriteria(max_tokens=2)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         [m async for m in tiny_scheduler.stub.Generate(request, timeout=10)]
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
@@ -52,7 +54,9 @@ async def test_request_ids_that_cannot_be_metadata_are_refused(tiny_scheduler: S
 
 
 async def test_a_printable_request_id_is_echoed(tiny_scheduler: Scheduler) -> None:
-    request = pb.GenerateRequest(request_id="job 7/a:b", prompt_token_ids=[5, 6], stopping=pb.StoppingCriteria(max_tokens=1))
+    request = pb.GenerateRequest(
+        request_id="job 7/a:b", prompt_token_ids=[5, 6], stopping=pb.StoppingCriteria(max_tokens=1)
+    )
     call = tiny_scheduler.stub.Generate(request, timeout=10)
     [m async for m in call]
     assert dict(await call.initial_metadata())["x-request-id"] == "job 7/a:b"

@@ -93,7 +93,9 @@ async def test_n_seeded_samples_differ_and_reproduce(small_pool: Scheduler) -> N
 
 
 async def test_best_of_returns_n_outputs_at_the_end(small_pool: Scheduler) -> None:
-    req = request(ids=[800 + k for k in range(9)], max_tokens=6, ignore_eos=True, temperature=5.0, seed=3, n=2, best_of=5)
+    req = request(
+        ids=[800 + k for k in range(9)], max_tokens=6, ignore_eos=True, temperature=5.0, seed=3, n=2, best_of=5
+    )
     gen = await collect(small_pool.stub, req)
     assert [m.index for m in gen.messages] == [0, 1]
     assert all(len(m.token_ids) == 6 and m.finish_reason == pb.FINISH_REASON_LENGTH for m in gen.messages)
@@ -101,8 +103,9 @@ async def test_best_of_returns_n_outputs_at_the_end(small_pool: Scheduler) -> No
 
 
 async def test_beam_search_returns_ranked_beams(small_pool: Scheduler) -> None:
-    gen = await collect(small_pool.stub, request(ids=[900 + k for k in range(17)], max_tokens=6, ignore_eos=True,
-                                                 beam_width=4, n=3))
+    gen = await collect(
+        small_pool.stub, request(ids=[900 + k for k in range(17)], max_tokens=6, ignore_eos=True, beam_width=4, n=3)
+    )
     assert [m.index for m in gen.messages] == [0, 1, 2]
     scores = [m.cumulative_logprob / len(m.token_ids) for m in gen.messages]
     assert scores == sorted(scores, reverse=True)
@@ -148,8 +151,12 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_d
 
 async def test_priority_request_overtakes_a_busy_pool(small_pool: Scheduler) -> None:
     background = [
-        asyncio.create_task(collect(small_pool.stub, request(ids=[100 + 9 * i + k for k in range(40)], max_tokens=60,
-                                                             ignore_eos=True, priority=5)))
+        asyncio.create_task(
+            collect(
+                small_pool.stub,
+                request(ids=[100 + 9 * i + k for k in range(40)], max_tokens=60, ignore_eos=True, priority=5),
+            )
+        )
         for i in range(10)
     ]
     await asyncio.sleep(0.3)

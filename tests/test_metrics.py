@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 
 from common.config import SchedulerConfig, ServerConfig
-from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from tests.conftest import collect, free_port, request, start_worker
 
@@ -36,11 +35,17 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
     from scheduler_svc.server import SchedulerServer
 
     worker_metrics = free_port()
-    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64", "--metrics-port", str(worker_metrics),
-                          "--profile-steps")
+    worker = start_worker(
+        tiny_model_dir, "--num-gpu-blocks", "64", "--metrics-port", str(worker_metrics), "--profile-steps"
+    )
     metrics_port = free_port()
-    server = SchedulerServer(str(tiny_model_dir), worker.address, ServerConfig(port=0, metrics_port=metrics_port),
-                             SchedulerConfig(), step_timeout=60.0)
+    server = SchedulerServer(
+        str(tiny_model_dir),
+        worker.address,
+        ServerConfig(port=0, metrics_port=metrics_port),
+        SchedulerConfig(),
+        step_timeout=60.0,
+    )
     port = await server.start()
     try:
         while not server.engine.ready:
@@ -65,8 +70,13 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)
         idle = scrape(metrics_port)
-        for gauge in ("llmserve:num_requests_running", "llmserve:num_requests_waiting", "llmserve:num_requests_swapped",
-                      "llmserve:kv_cache_usage_perc", "llmserve:cpu_cache_usage_perc"):
+        for gauge in (
+            "llmserve:num_requests_running",
+            "llmserve:num_requests_waiting",
+            "llmserve:num_requests_swapped",
+            "llmserve:kv_cache_usage_perc",
+            "llmserve:cpu_cache_usage_perc",
+        ):
             assert value(idle, gauge) == 0, gauge
         assert value(idle, "llmserve:prompt_tokens_total") == 83
         assert value(idle, "llmserve:generation_tokens_total") >= 11
@@ -79,7 +89,10 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
             assert value(idle, hist + "_count") == 3, hist
         assert value(idle, "llmserve:e2e_request_latency_seconds_count") == 2  # of finished requests, not cancelled
         assert value(idle, "llmserve:inter_token_latency_seconds_count") >= 8
-        assert value(idle, "llmserve:step_plan_bytes_count") > 0 and value(idle, "llmserve:step_roundtrip_seconds_count") > 0
+        assert (
+            value(idle, "llmserve:step_plan_bytes_count") > 0
+            and value(idle, "llmserve:step_roundtrip_seconds_count") > 0
+        )
         grpc_labels = 'grpc_type="server_stream",grpc_service="llmserve.v1.Generation",grpc_method="Generate"'
         assert value(idle, "grpc_server_started_total", grpc_labels) == 4
         assert value(idle, "grpc_server_handled_total", grpc_labels + ',grpc_code="OK"') == 2
@@ -93,13 +106,31 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
         # Where the steps' time went: the scheduler's parts always, the worker's as it profiles.
         steps = value(idle, "llmserve:steps_total")
         assert steps == value(w, "llmserve_worker:steps_total", wl)
-        parts = {p: value(idle, "llmserve:step_part_seconds_total", f'{LABEL},part="{p}"')
-                 for p in ("plan_build", "plan_encode", "transport", "result_decode", "update", "plan_decode",
-                           "prepare", "embed", "linear", "attention", "norm_act", "forward_other", "lm_head", "sampling")}
+        parts = {
+            p: value(idle, "llmserve:step_part_seconds_total", f'{LABEL},part="{p}"')
+            for p in (
+                "plan_build",
+                "plan_encode",
+                "transport",
+                "result_decode",
+                "update",
+                "plan_decode",
+                "prepare",
+                "embed",
+                "linear",
+                "attention",
+                "norm_act",
+                "forward_other",
+                "lm_head",
+                "sampling",
+            )
+        }
         assert all(v > 0 for v in parts.values()), parts
         worker_busy = value(w, "llmserve_worker:step_execute_seconds_sum", wl)
-        inside = sum(parts[p] for p in ("prepare", "embed", "linear", "attention", "norm_act", "forward_other",
-                                        "lm_head", "sampling"))
+        inside = sum(
+            parts[p]
+            for p in ("prepare", "embed", "linear", "attention", "norm_act", "forward_other", "lm_head", "sampling")
+        )
         assert inside <= worker_busy * 1.01  # parts of the worker's own time, not more
         assert value(w, "llmserve_worker:num_gpu_blocks", wl) == 64
         assert value(w, "llmserve_worker:step_execute_seconds_count", wl) == value(w, "llmserve_worker:steps_total", wl)

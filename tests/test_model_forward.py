@@ -33,18 +33,32 @@ BASE: dict[str, Any] = dict(
 CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama-gqa-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "llama-mha-tied": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama-mqa-headdim": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16)),
+    "llama-mqa-headdim": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16),
+    ),
     # More KV heads than the block-diagonal decode path takes: the per-head path.
     "llama-mha-16-kv-heads": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=16, num_key_value_heads=16)),
     "llama-attention-bias": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
-    "llama2-linear-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    "llama2-linear-rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    ),
     "llama3-rope": (
         LlamaConfig,
         LlamaForCausalLM,
-        dict(rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-        }),
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
     ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
@@ -53,7 +67,9 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 BLOCK = 8
 
 
-def build(tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float32") -> tuple[torch.nn.Module, ModelRunner]:
+def build(
+    tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float32"
+) -> tuple[torch.nn.Module, ModelRunner]:
     config_cls, model_cls, extra = CASES[case]
     if backend == "cpu":
         extra = extra | {"head_dim": 64}  # the C++ attention kernel's smallest head
@@ -67,8 +83,13 @@ def build(tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float
     ref.save_pretrained(str(tmp_path))
     device = KERNEL_DEVICE if backend == "triton" else "cpu"
     runner = ModelRunner(
-        WorkerConfig(model=str(tmp_path), dtype=dtype, device=device, attention_backend=backend,
-                     cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40))
+        WorkerConfig(
+            model=str(tmp_path),
+            dtype=dtype,
+            device=device,
+            attention_backend=backend,
+            cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40),
+        )
     )
     return ref, runner
 
@@ -141,7 +162,9 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="not supported"):
-        ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=4)))
+        ModelRunner(
+            WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=4))
+        )
 
 
 def test_missing_weights_are_refused(tmp_path: Path) -> None:
@@ -152,4 +175,6 @@ def test_missing_weights_are_refused(tmp_path: Path) -> None:
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"k_proj|qkv_proj.weight\[k\]"):
-        ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=4)))
+        ModelRunner(
+            WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=4))
+        )

@@ -64,7 +64,7 @@ def test_greedy_equals_transformers_generate(llm: LLM, hf) -> None:  # type: ign
         with torch.no_grad():
             want = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         (completion,) = out.outputs
-        assert completion.token_ids == want[0, len(ids):].tolist(), prompt
+        assert completion.token_ids == want[0, len(ids) :].tolist(), prompt
         assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
         assert (completion.index, completion.finish_reason, completion.stop_reason) == (0, "length", None)
         assert out.finished and completion.finished() and completion.logprobs is None and out.prompt_logprobs is None
@@ -89,8 +89,10 @@ def test_every_prompt_form_gives_the_same_greedy_output(llm: LLM, capsys: pytest
 
 
 def test_params_per_prompt(llm: LLM) -> None:
-    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
     with pytest.raises(ValueError, match="2 given for 3 prompts"):
@@ -104,19 +106,25 @@ def test_n_samples_are_distinct_and_seeded(llm: LLM) -> None:
     assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in first.outputs)
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]  # same seed
-    (best,) = llm.generate(PROMPTS[0], SamplingParams(n=1, best_of=3, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
+    (best,) = llm.generate(
+        PROMPTS[0], SamplingParams(n=1, best_of=3, temperature=1.0, seed=3, max_tokens=4), use_tqdm=False
+    )
     assert len(best.outputs) == 1 and len(best.outputs[0].token_ids) <= 4
 
 
 def test_logprobs_shape(llm: LLM) -> None:
-    (out,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2), use_tqdm=False)
+    (out,) = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2), use_tqdm=False
+    )
     (completion,) = out.outputs
     assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids) == 5
     for token, position in zip(completion.token_ids, completion.logprobs):
         assert token in position and len(position) == 3  # greedy: the chosen token is the best one
         assert position[token].rank == 1 and position[token].decoded_token is not None
         assert sorted(p.rank for p in position.values()) == [1, 2, 3]
-    assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs)), rel=1e-4)
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs)), rel=1e-4
+    )
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert out.prompt_logprobs[0] is None
     for token, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
@@ -146,18 +154,32 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     (stopped,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=stop), use_tqdm=False)
     completion = stopped.outputs[0]
     assert (completion.text, completion.finish_reason, completion.stop_reason) == (text[:cut], "stop", stop)
-    (kept,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    (kept,) = llm.generate(
+        PROMPTS[2],
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
     assert kept.outputs[0].text == text[: cut + len(stop)]
     at = tokens.index(tokens[3])  # its first occurrence ends the output
-    (by_id,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]]), use_tqdm=False)
+    (by_id,) = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]]), use_tqdm=False
+    )
     completion = by_id.outputs[0]
     assert completion.token_ids == tokens[: at + 1]  # the stop token is returned, not shown
     assert (completion.finish_reason, completion.stop_reason) == ("stop", tokens[3])
 
 
 def test_invalid_input_is_a_value_error(llm: LLM, model_dir: Path) -> None:
-    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"n": 0}, {"max_tokens": 0}, {"stop": [""]},
-                {"min_tokens": 5, "max_tokens": 2}, {"presence_penalty": 3.0}, {"truncate_prompt_tokens": 0}):
+    for bad in (
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"stop": [""]},
+        {"min_tokens": 5, "max_tokens": 2},
+        {"presence_penalty": 3.0},
+        {"truncate_prompt_tokens": 0},
+    ):
         with pytest.raises(ValueError, match=f"SamplingParams.{next(iter(bad))}"):
             SamplingParams(**bad)  # type: ignore[arg-type]
     # The engine's own checks, with the message a gRPC client would get.
@@ -172,8 +194,14 @@ def test_invalid_input_is_a_value_error(llm: LLM, model_dir: Path) -> None:
     with pytest.raises(ValueError, match="attention_backend: invalid choice"):
         LLM(str(model_dir), attention_backend="fast")
     # A refused batch aborted whatever it had queued: the engine still serves.
-    (out,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=2), use_tqdm=False)
-    assert len(out.prompt_token_ids) == 2 and isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
+    (out,) = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=2), use_tqdm=False
+    )
+    assert (
+        len(out.prompt_token_ids) == 2
+        and isinstance(out, RequestOutput)
+        and isinstance(out.outputs[0], CompletionOutput)
+    )
 
 
 def test_close_and_finalizer_leave_no_process_and_no_directory(model_dir: Path) -> None:

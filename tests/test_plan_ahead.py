@@ -59,16 +59,26 @@ def _scheduler(num_blocks: int, **cfg: object) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), bm, 256, frozenset({EOS}), block_bytes=1000)  # type: ignore[arg-type]
 
 
-def _group(s: Scheduler, rid: int, prompt: list[int], max_tokens: int, priority: int = 0, **sampling: object) -> SequenceGroup:
+def _group(
+    s: Scheduler, rid: int, prompt: list[int], max_tokens: int, priority: int = 0, **sampling: object
+) -> SequenceGroup:
     params = SamplingParams(**sampling)  # type: ignore[arg-type]
-    seq = Sequence(s.new_seq_id(), f"r{rid}", list(prompt), params,
-                   StoppingParams(max_tokens=max_tokens, ignore_eos=rid % 3 == 0), rid)
+    seq = Sequence(
+        s.new_seq_id(),
+        f"r{rid}",
+        list(prompt),
+        params,
+        StoppingParams(max_tokens=max_tokens, ignore_eos=rid % 3 == 0),
+        rid,
+    )
     group = SequenceGroup(seq.request_id, [seq], params, rid, priority=priority)
     s.add(group)
     return group
 
 
-def _run(workload: list[dict], pipelined: bool, num_blocks: int, **cfg: object) -> tuple[dict[str, list[list[int]]], int, int]:
+def _run(
+    workload: list[dict], pipelined: bool, num_blocks: int, **cfg: object
+) -> tuple[dict[str, list[list[int]]], int, int]:
     """Outputs by request, steps planned ahead, deferred inputs the worker filled."""
     s = _scheduler(num_blocks, **cfg)
     preempt = s.preempt
@@ -89,7 +99,9 @@ def _run(workload: list[dict], pipelined: bool, num_blocks: int, **cfg: object) 
             width = w.get("sampling", {}).get("best_of", 1)
             if not s.can_ever_fit(len(w["prompt"]), len(w["prompt"]) + w["max_tokens"], width):
                 continue  # the router refuses it (RESOURCE_EXHAUSTED): it would never run
-            groups.append(_group(s, w["rid"], w["prompt"], w["max_tokens"], w.get("priority", 0), **w.get("sampling", {})))
+            groups.append(
+                _group(s, w["rid"], w["prompt"], w["max_tokens"], w.get("priority", 0), **w.get("sampling", {}))
+            )
             if w.get("abort_at") is not None:
                 w["group"] = groups[-1]
         for w in workload:
@@ -124,7 +136,8 @@ def _workload(seed: int, n: int = 24, exotic: bool = True) -> list[dict]:
             "rid": rid,
             "at": rng.randrange(0, 30),
             # Shared prefixes: prefix-cache hits across requests.
-            "prompt": [7, 8, 9, 10, 11, 12, 13, 14][: rng.randrange(0, 9)] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))],
+            "prompt": [7, 8, 9, 10, 11, 12, 13, 14][: rng.randrange(0, 9)]
+            + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))],
             "max_tokens": rng.randrange(1, 40),
             "priority": rng.choice([0, 0, 0, 1]),
         }
@@ -155,8 +168,12 @@ def test_planning_ahead_changes_no_output(seed: int, num_blocks: int, budget: in
     assert {r: o for r, o in got.items() if r not in aborted} == {r: o for r, o in want.items() if r not in aborted}
     # Planned ahead, a step can start a step later or sooner, so an abort at a fixed step can
     # catch another number of tokens: each aborted output is a prefix of its full output.
-    full, _, _ = _run([{k: v for k, v in w.items() if k != "abort_at"} for w in workload], pipelined=False,
-                      num_blocks=num_blocks, **cfg)
+    full, _, _ = _run(
+        [{k: v for k, v in w.items() if k != "abort_at"} for w in workload],
+        pipelined=False,
+        num_blocks=num_blocks,
+        **cfg,
+    )
     for r in aborted:
         assert all(f[: len(g)] == g for g, f in zip(got[r], full[r])), r
     assert ahead > 0 and deferred > 0
@@ -197,8 +214,9 @@ def test_deferred_input_is_the_tokens_position_and_counts_it_as_output() -> None
     assert s.block_manager.num_free_blocks == 50
 
 
-@pytest.mark.parametrize("sampling", [{"repetition_penalty": 1.3}, {"n": 2, "best_of": 2}, {"beam_width": 2},
-                                      {"prompt_logprobs": 0}])
+@pytest.mark.parametrize(
+    "sampling", [{"repetition_penalty": 1.3}, {"n": 2, "best_of": 2}, {"beam_width": 2}, {"prompt_logprobs": 0}]
+)
 def test_no_plan_ahead_when_the_result_decides_the_next_plan(sampling: dict) -> None:
     s = _scheduler(50)
     _group(s, 1, [30, 31, 32], max_tokens=5, **sampling)

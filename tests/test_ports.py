@@ -69,8 +69,12 @@ def test_a_held_metrics_port_is_refused_by_name(held_port: int) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
     with pytest.raises(PortUnavailable, match=f"^--metrics-port {held_port} on 127.0.0.1: in use by another process$"):
-        serve_http(lambda port, host: start_http_server(port, addr=host, registry=CollectorRegistry()),
-                   held_port, "127.0.0.1", "--metrics-port")
+        serve_http(
+            lambda port, host: start_http_server(port, addr=host, registry=CollectorRegistry()),
+            held_port,
+            "127.0.0.1",
+            "--metrics-port",
+        )
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
@@ -80,9 +84,27 @@ def test_a_scheduler_on_a_held_port_exits_2_with_one_line(tiny_model_dir: Path, 
         free = str(sock.getsockname()[1])
     ports = {"--port": free, "--metrics-port": free, flag: str(held_port)}
     proc = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "scheduler", "--model", str(tiny_model_dir),
-         "--worker", "127.0.0.1:1", "--port", ports["--port"], "--metrics-port", ports["--metrics-port"]],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "LLMSERVE_LOG_JSON": "0"},
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "warning",
+            "scheduler",
+            "--model",
+            str(tiny_model_dir),
+            "--worker",
+            "127.0.0.1:1",
+            "--port",
+            ports["--port"],
+            "--metrics-port",
+            ports["--metrics-port"],
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LLMSERVE_LOG_JSON": "0"},
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     output = (proc.stdout + proc.stderr).strip().splitlines()
@@ -93,9 +115,27 @@ def test_a_scheduler_on_a_held_port_exits_2_with_one_line(tiny_model_dir: Path, 
 
 def test_a_worker_on_a_held_port_exits_2_before_loading(tiny_model_dir: Path, held_port: int) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "info", "worker", "--model", str(tiny_model_dir),
-         "--listen", f"127.0.0.1:{held_port}", "--device", "cpu", "--dtype", "float32"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "LLMSERVE_LOG_JSON": "0"},
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "info",
+            "worker",
+            "--model",
+            str(tiny_model_dir),
+            "--listen",
+            f"127.0.0.1:{held_port}",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LLMSERVE_LOG_JSON": "0"},
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "kv_cache_allocated" not in proc.stdout + proc.stderr

@@ -34,12 +34,21 @@ from worker_svc.probe_plans import PROFILE_LOGPROBS, heaviest_step
 from worker_svc.runner import ModelRunner
 from worker_svc.sampler import sample
 
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("probe-model")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+    )
     LlamaForCausalLM(cfg).float().save_pretrained(str(path))
     return path
 
@@ -74,8 +83,15 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     executed = _Executed(monkeypatch)
     _fake_cuda_memory(monkeypatch)
     monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
-    config = WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
-                          max_num_batched_tokens=96, max_num_seqs=24, cache=CacheConfig(block_size=16, num_cpu_blocks=0))
+    config = WorkerConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+        max_num_batched_tokens=96,
+        max_num_seqs=24,
+        cache=CacheConfig(block_size=16, num_cpu_blocks=0),
+    )
     runner = ModelRunner(config)
     assert len(executed.steps) == 1
     plan, result = executed.steps[0]
@@ -91,7 +107,9 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     assert result.prompt_logprobs.size == plan.query_lens[0] - 1
     # The budget: 0.9 x 64 MiB, less the 8 MiB others use, less the step's peak (9 MiB with
     # the probe's own cache in it).
-    probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(runner.shape, 16, runner.dtype)
+    probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(
+        runner.shape, 16, runner.dtype
+    )
     budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache)
     assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
     assert runner.profiled_peak_bytes == 1 * MIB
@@ -108,7 +126,9 @@ def test_the_heaviest_step_is_a_valid_plan_over_distinct_blocks(tokens: int, seq
     assert all(len(row[row >= 0]) * 16 >= q for row, q in zip(plan.block_tables, plan.query_lens))
 
 
-def test_the_warm_up_launches_the_decode_kernel_before_serving(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warm_up_launches_the_decode_kernel_before_serving(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     executed = _Executed(monkeypatch)
     launches = {"decode": 0}
     launch = backend.paged_decode_attention
@@ -119,8 +139,16 @@ def test_the_warm_up_launches_the_decode_kernel_before_serving(model_dir: Path, 
 
     monkeypatch.setattr(backend, "paged_decode_attention", counted)
     monkeypatch.setattr(ModelRunner, "_warms_up", lambda self: True)
-    runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="triton",
-                                      cache=CacheConfig(block_size=16, num_gpu_blocks=8), max_num_seqs=4))
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend="triton",
+            cache=CacheConfig(block_size=16, num_gpu_blocks=8),
+            max_num_seqs=4,
+        )
+    )
     assert [p.query_lens.tolist() for p, _ in executed.steps] == [[24], [1]]
     assert executed.steps[1][0].context_lens.tolist() == [24]
     assert launches["decode"] > 0
@@ -128,8 +156,19 @@ def test_the_warm_up_launches_the_decode_kernel_before_serving(model_dir: Path, 
 
 
 # Calls that make the host wait for a CUDA device (a value or a size that lives there).
-WAITS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero", "masked_select",
-         "unique"}
+WAITS = {
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "masked_select",
+    "unique",
+}
 
 
 class _Waits(TorchFunctionMode):
@@ -163,8 +202,16 @@ def test_sampling_logit_processing_and_logprobs_never_wait_for_the_device() -> N
 
 
 def test_a_step_copies_its_results_from_the_device_once(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = ModelRunner(WorkerConfig(model=str(model_dir), dtype="float32", device="cpu", attention_backend="torch",
-                                      cache=CacheConfig(block_size=16, num_gpu_blocks=32), max_num_seqs=8))
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=16, num_gpu_blocks=32),
+            max_num_seqs=8,
+        )
+    )
     copies: list[int] = []
     to_host = runner_module.to_host
 
@@ -174,8 +221,17 @@ def test_a_step_copies_its_results_from_the_device_once(model_dir: Path, monkeyp
 
     monkeypatch.setattr(runner_module, "to_host", counted)
     plan, _ = heaviest_step(40, 8, 16, runner.shape.vocab_size)
-    plan = StepPlan(**{**plan.__dict__, "sampling": SamplingBatch(**{**plan.sampling.__dict__,
-                                                                     "prompt_logprobs": np.zeros(0, np.int32),
-                                                                     "prompt_next_token": np.zeros(0, np.int32)})})
+    plan = StepPlan(
+        **{
+            **plan.__dict__,
+            "sampling": SamplingBatch(
+                **{
+                    **plan.sampling.__dict__,
+                    "prompt_logprobs": np.zeros(0, np.int32),
+                    "prompt_next_token": np.zeros(0, np.int32),
+                }
+            ),
+        }
+    )
     result = runner.execute(plan)
     assert copies == [4] and (result.sampled_token_ids >= 0).all()

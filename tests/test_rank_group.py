@@ -31,7 +31,10 @@ def test_rank_device_offsets_from_the_named_gpu() -> None:
     cpu = torch.device("cpu")
     assert rank_device(cpu, 1, 2) == cpu
     if torch.cuda.device_count() >= 2:
-        assert [rank_device(torch.device("cuda:0"), r, 2) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+        assert [rank_device(torch.device("cuda:0"), r, 2) for r in range(2)] == [
+            torch.device("cuda", 0),
+            torch.device("cuda", 1),
+        ]
     # A group wider than the visible GPUs is refused at start, naming the count.
     with pytest.raises(ValueError, match=f"{torch.cuda.device_count()} GPUs are visible"):
         rank_device(torch.device("cuda:0"), torch.cuda.device_count(), torch.cuda.device_count() + 2)

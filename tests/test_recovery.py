@@ -43,12 +43,21 @@ def scheduler(ids: itertools.count[int], num_blocks: int = 64, num_cpu_blocks: i
 
 
 def group(
-    ids: itertools.count[int], prompt_len: int, max_tokens: int, arrival: int, n: int = 1, prompt: list[int] | None = None
+    ids: itertools.count[int],
+    prompt_len: int,
+    max_tokens: int,
+    arrival: int,
+    n: int = 1,
+    prompt: list[int] | None = None,
 ) -> SequenceGroup:
     seq_id = next(ids)
     seq = Sequence(
-        seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=prompt or [100 + 50 * seq_id + i for i in range(prompt_len)],
-        sampling=SamplingParams(n=n, best_of=n, seed=7), stopping=StoppingParams(max_tokens=max_tokens), arrival=arrival,
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        prompt_token_ids=prompt or [100 + 50 * seq_id + i for i in range(prompt_len)],
+        sampling=SamplingParams(n=n, best_of=n, seed=7),
+        stopping=StoppingParams(max_tokens=max_tokens),
+        arrival=arrival,
     )
     return SequenceGroup(seq.request_id, [seq], seq.sampling, arrival)
 
@@ -100,14 +109,18 @@ def test_evacuated_groups_finish_elsewhere_with_the_tokens_they_would_have_had()
 
 @pytest.mark.parametrize("prompt_len", [7, 8])
 @pytest.mark.parametrize("shape", [{"n": 2, "best_of": 2, "temperature": 1.0, "seed": 5}, {"beam_width": 2}])
-def test_a_group_admitted_as_fitting_finishes_on_a_pool_of_just_that_size(prompt_len: int, shape: dict[str, object]) -> None:
+def test_a_group_admitted_as_fitting_finishes_on_a_pool_of_just_that_size(
+    prompt_len: int, shape: dict[str, object]
+) -> None:
     # Moved halfway, it is recomputed: its sequences then share only the prompt blocks before
     # the last prompt token. Both runs must fit the pool can_ever_fit promised.
     ids = itertools.count()
     need = scheduler(ids).blocks_for_group(prompt_len, prompt_len + 12, 2)
     lost, other = scheduler(ids, num_blocks=need), scheduler(ids, num_blocks=need)
     params = SamplingParams(**shape)  # type: ignore[arg-type]
-    seq = Sequence(next(ids), "r", list(range(10, 10 + prompt_len)), params, StoppingParams(max_tokens=12, ignore_eos=True), 0)
+    seq = Sequence(
+        next(ids), "r", list(range(10, 10 + prompt_len)), params, StoppingParams(max_tokens=12, ignore_eos=True), 0
+    )
     moving = SequenceGroup("r", [seq], params, 0)
     lost.add(moving)
     for _ in range(8):
@@ -208,7 +221,8 @@ async def generate(engine: Engine, i: int, max_tokens: int) -> list[int]:
 
 
 async def test_a_lost_groups_requests_finish_on_the_other_without_a_gap_or_a_repeat(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     script = list(range(300, 340))
     a, b = LosingWorker(spec, script, "a", lose_at_step=6), LosingWorker(spec, script, "b")
@@ -225,7 +239,8 @@ async def test_a_lost_groups_requests_finish_on_the_other_without_a_gap_or_a_rep
 
 
 async def test_with_every_group_lost_requests_fail_by_what_they_streamed(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     script = list(range(300, 340))
     a, b = LosingWorker(spec, script, "a", lose_at_step=4), LosingWorker(spec, script, "b", lose_at_step=4)
@@ -261,7 +276,8 @@ class ShortContextWorker(LosingWorker):
 
 
 async def test_a_request_past_another_groups_context_is_not_moved_there(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     # Without max_tokens a request runs to the end of its group's context; `a`'s is 512 tokens.
     # Lost after 69 tokens, it cannot go on in `b`'s 64: it fails, and `b` is not fed past it.
@@ -280,7 +296,8 @@ async def test_a_request_past_another_groups_context_is_not_moved_there(
 
 
 async def test_stop_ends_requests_in_flight_as_shutting_down_not_as_lost(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     script = list(range(300, 340))
     a, b = LosingWorker(spec, script, "a"), LosingWorker(spec, script, "b")
@@ -303,7 +320,10 @@ class SlowStartWorker(LosingWorker):
 
 
 def registry_engine(
-    spec: ModelSpec, tokenizer: Tokenizer, workers: dict[str, LosingWorker], connect_delay: dict[str, float] | None = None
+    spec: ModelSpec,
+    tokenizer: Tokenizer,
+    workers: dict[str, LosingWorker],
+    connect_delay: dict[str, float] | None = None,
 ) -> Engine:
     """Registered groups: each address names a fake worker, made when its group completes."""
 
@@ -323,7 +343,8 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 async def test_a_group_that_registers_again_while_its_old_link_tears_down_serves_again(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     workers: dict[str, LosingWorker] = {}
     engine = registry_engine(spec, tokenizer, workers)
@@ -345,7 +366,8 @@ async def test_a_group_that_registers_again_while_its_old_link_tears_down_serves
 
 
 async def test_an_abort_while_a_group_is_replaced_ends_the_request_it_names(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     workers: dict[str, LosingWorker] = {}
     # The new g connects only after the old one's step returned and its requests moved to h.
@@ -376,7 +398,8 @@ async def test_an_abort_while_a_group_is_replaced_ends_the_request_it_names(
 
 
 async def test_a_group_that_completes_its_registration_after_stop_is_not_served(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     # The Register service answers until the server stops, which is after the engine stopped.
     workers: dict[str, LosingWorker] = {}
@@ -399,7 +422,9 @@ class ScoringWorker(LosingWorker):
 
 @pytest.mark.parametrize("shape", [{"n": 1, "best_of": 2, "temperature": 1.0, "seed": 3}, {"beam_width": 2}])
 async def test_a_request_that_streamed_nothing_yet_fails_unavailable_even_with_tokens_made(
-    spec: ModelSpec, tokenizer: Tokenizer, shape: dict[str, object]  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,
+    shape: dict[str, object],  # noqa: F811
 ) -> None:
     # best_of > n and beams send their outputs only at the end: the client saw nothing and may
     # retry, however many tokens the lost groups had made.
@@ -428,7 +453,8 @@ class BrokenHandshakeWorker(LosingWorker):
 
 
 async def test_an_unexpected_failure_outside_a_step_is_logged_and_the_group_retried(
-    spec: ModelSpec, tokenizer: Tokenizer  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,  # noqa: F811
 ) -> None:
     worker = BrokenHandshakeWorker(spec, list(range(300, 340)), "a")
     engine = Engine(spec, tokenizer, SchedulerConfig(), [worker])  # type: ignore[list-item]
@@ -442,7 +468,9 @@ async def test_an_unexpected_failure_outside_a_step_is_logged_and_the_group_retr
 
 
 async def test_requests_still_in_the_inbox_when_the_loop_fails_end_with_an_error(
-    spec: ModelSpec, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    spec: ModelSpec,
+    tokenizer: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     engine = Engine(spec, tokenizer, SchedulerConfig(), [LosingWorker(spec, list(range(300, 340)), "a")])  # type: ignore[list-item]
     engine.start()

@@ -14,9 +14,22 @@ from tests.conftest import REPO
 def test_quick_run_writes_equal_streams_and_ratios(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/recovery_bench.py", "--model", str(tiny_model_dir), "--quick", "--out", str(out),
-         "--results-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "benchmarks/recovery_bench.py",
+            "--model",
+            str(tiny_model_dir),
+            "--quick",
+            "--out",
+            str(out),
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())

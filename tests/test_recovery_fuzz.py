@@ -92,7 +92,9 @@ class ShadowModel:
 class FuzzWorker:
     """A worker process: it may break its stream at a step and stay unreachable for a while."""
 
-    def __init__(self, spec: ModelSpec, address: str, num_gpu_blocks: int, num_cpu_blocks: int, rng: random.Random) -> None:
+    def __init__(
+        self, spec: ModelSpec, address: str, num_gpu_blocks: int, num_cpu_blocks: int, rng: random.Random
+    ) -> None:
         self.spec = spec
         self.address = address
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
@@ -111,8 +113,19 @@ class FuzzWorker:
             raise WorkerLost(f"{self.address} is unreachable")
         self.closed = asyncio.Event()
         self.model = ShadowModel(self.num_gpu_blocks, self.num_cpu_blocks)  # a fresh cache
-        return WorkerInfo(self.spec.name, self.spec.vocab_size, self.spec.max_model_len, "float32", "cpu", 0, 1,
-                          BLOCK_SIZE, self.num_gpu_blocks, self.num_cpu_blocks, block_bytes=1000)
+        return WorkerInfo(
+            self.spec.name,
+            self.spec.vocab_size,
+            self.spec.max_model_len,
+            "float32",
+            "cpu",
+            0,
+            1,
+            BLOCK_SIZE,
+            self.num_gpu_blocks,
+            self.num_cpu_blocks,
+            block_bytes=1000,
+        )
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         if self.closed.is_set():
@@ -172,7 +185,9 @@ def reference(spec: ModelSpec, req: GenerationRequest) -> tuple[dict[int, tuple[
     s = Scheduler(SchedulerConfig(), bm, spec.max_model_len, spec.eos_token_ids, block_bytes=1000)
     assert req.seed is not None
     sampling = sampling_params(req, req.seed, limits)
-    seq = Sequence(s.new_seq_id(), req.request_id, list(req.prompt_token_ids), sampling, stopping_params(req), arrival=0)
+    seq = Sequence(
+        s.new_seq_id(), req.request_id, list(req.prompt_token_ids), sampling, stopping_params(req), arrival=0
+    )
     group = SequenceGroup(req.request_id, [seq], sampling, 0)
     s.add(group)
     model = ShadowModel(4096, 0)
@@ -354,12 +369,16 @@ async def fuzz_once(seed: int, spec: ModelSpec, tokenizer: Tokenizer, events: Ev
     workers: dict[str, FuzzWorker] = {}
     run: Run
     if registered:
-        engine = Engine(spec, tokenizer, config, None, worker_factory=lambda a: run.new_worker(a[0], a[0].split("@")[0]))
+        engine = Engine(
+            spec, tokenizer, config, None, worker_factory=lambda a: run.new_worker(a[0], a[0].split("@")[0])
+        )
         run = Run(random.Random(~seed), spec, True, engine, workers, pools)
         for name in pools:
             run.attach(name)
     else:
-        static = [FuzzWorker(spec, name, gpu, cpu, random.Random(f"{seed}{name}")) for name, (gpu, cpu) in pools.items()]
+        static = [
+            FuzzWorker(spec, name, gpu, cpu, random.Random(f"{seed}{name}")) for name, (gpu, cpu) in pools.items()
+        ]
         workers.update((w.address, w) for w in static)
         engine = Engine(spec, tokenizer, config, static)  # type: ignore[arg-type]
         run = Run(random.Random(~seed), spec, False, engine, workers, pools)
@@ -385,7 +404,9 @@ async def fuzz_once(seed: int, spec: ModelSpec, tokenizer: Tokenizer, events: Ev
             await asyncio.wait_for(engine.stop(), 5)
         done, pending = await asyncio.wait(tasks.values(), timeout=30)
         if pending:
-            raise AssertionError(f"requests never ended: {describe(engine, [f for f in fates if not tasks[f.req.request_id].done()])}")
+            raise AssertionError(
+                f"requests never ended: {describe(engine, [f for f in fates if not tasks[f.req.request_id].done()])}"
+            )
         if chaos is not None:
             await asyncio.wait_for(chaos, 5)
         if not stop_early:
@@ -407,7 +428,9 @@ async def fuzz_once(seed: int, spec: ModelSpec, tokenizer: Tokenizer, events: Ev
     m = engine.metrics
     outcomes = Counter(type(f.error).__name__ if f.error else "cancelled" if f.cancelled else "finished" for f in fates)
     return outcomes + Counter(
-        requests=len(fates), losses=run.losses, moved=int(m.recovered._value.get()),  # noqa: SLF001
+        requests=len(fates),
+        losses=run.losses,
+        moved=int(m.recovered._value.get()),  # noqa: SLF001
         preemptions=int(m.preemptions._value.get()),  # noqa: SLF001
         swaps=sum(w.swaps for w in workers.values()),
     )
@@ -428,10 +451,12 @@ def describe(engine: Engine, fates: list[Fate]) -> str:
             bm = s.block_manager
             queues += f" free={bm.num_free_blocks}/{bm.num_blocks} seqs={r.scheduler.config.max_num_seqs}"
             for g in s.waiting[:1]:
-                queues += (f" head: width={g.width} forked={g.forked} beam={g.is_beam} prompt={g.seqs[0].num_prompt_tokens}"
-                           f" tokens={[q.num_tokens for q in g.live()]} limit={g.seqs[0].token_limit}"
-                           f" need={s._planner._admission_need(g, s.config.max_num_batched_tokens)}"  # noqa: SLF001
-                           f" preempted_step={g.preempted_step} next_step={s.next_step_id}")
+                queues += (
+                    f" head: width={g.width} forked={g.forked} beam={g.is_beam} prompt={g.seqs[0].num_prompt_tokens}"
+                    f" tokens={[q.num_tokens for q in g.live()]} limit={g.seqs[0].token_limit}"
+                    f" need={s._planner._admission_need(g, s.config.max_num_batched_tokens)}"  # noqa: SLF001
+                    f" preempted_step={g.preempted_step} next_step={s.next_step_id}"
+                )
         lines.append(f"group {r.name}: attached={r.attached} inbox={len(r.inbox)} task={r.task} {queues}")
     return "; ".join(lines)
 

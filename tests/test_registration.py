@@ -29,9 +29,27 @@ async def registry_scheduler(model_dir: Path, **config: int) -> Scheduler:
 
 
 def registering_worker(model_dir: Path, scheduler_port: int, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
-           "--listen", f"127.0.0.1:{free_port()}", "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "64",
-           "--scheduler", f"127.0.0.1:{scheduler_port}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "--log-level",
+        "warning",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "64",
+        "--scheduler",
+        f"127.0.0.1:{scheduler_port}",
+        *extra,
+    ]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

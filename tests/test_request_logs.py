@@ -49,14 +49,31 @@ class LoggingScheduler:
 
 
 @pytest.fixture(scope="module")
-def scheduler(tiny_model_dir: Path, tiny_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggingScheduler]:
+def scheduler(
+    tiny_model_dir: Path, tiny_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LoggingScheduler]:
     port = free_port()
     log = tmp_path_factory.mktemp("request-logs") / "scheduler.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", "--log-level", "info", "scheduler", "--model", str(tiny_model_dir),
-             "--worker", tiny_worker.address, "--port", str(port)],
-            cwd=REPO, stdout=sink, stderr=sink, env={**os.environ, "LLMSERVE_LOG_JSON": "1"},
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "--log-level",
+                "info",
+                "scheduler",
+                "--model",
+                str(tiny_model_dir),
+                "--worker",
+                tiny_worker.address,
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
+            stdout=sink,
+            stderr=sink,
+            env={**os.environ, "LLMSERVE_LOG_JSON": "1"},
         )
     try:
         yield LoggingScheduler(port, log)
@@ -75,7 +92,9 @@ async def stub(scheduler: LoggingScheduler) -> AsyncIterator[generation_pb2_grpc
 async def test_a_finished_request_logs_the_callers_id_on_each_line(
     scheduler: LoggingScheduler, stub: generation_pb2_grpc.GenerationStub
 ) -> None:
-    request = pb.GenerateRequest(request_id="r-done", prompt_token_ids=[5, 6, 7], stopping=pb.StoppingCriteria(max_tokens=3))
+    request = pb.GenerateRequest(
+        request_id="r-done", prompt_token_ids=[5, 6, 7], stopping=pb.StoppingCriteria(max_tokens=3)
+    )
     [m async for m in stub.Generate(request, metadata=(("x-request-id", "trace-done"),))]
     finished = await scheduler.logged("request_finished", "r-done")
     assert finished["x_request_id"] == "trace-done"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -18,12 +17,27 @@ from worker_svc.runner import ModelRunner, PlanError
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, ModelRunner]:
     path = tmp_path_factory.mktemp("runner-model")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     ref = LlamaForCausalLM(cfg).float().eval()
     ref.save_pretrained(str(path))
-    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", attention_backend="torch",
-                                      cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=8, num_gpu_blocks=16),
+        )
+    )
     return ref, runner
 
 
@@ -31,8 +45,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, M
 def triton_model(model: tuple[LlamaForCausalLM, ModelRunner]) -> tuple[LlamaForCausalLM, ModelRunner]:
     """The same weights with every per-layer op on our Triton kernels (interpreter on CPU)."""
     ref, runner = model
-    return ref, ModelRunner(WorkerConfig(model=runner.config.model, dtype="float32", device=KERNEL_DEVICE, attention_backend="triton",
-                                         cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+    return ref, ModelRunner(
+        WorkerConfig(
+            model=runner.config.model,
+            dtype="float32",
+            device=KERNEL_DEVICE,
+            attention_backend="triton",
+            cache=CacheConfig(block_size=8, num_gpu_blocks=16),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +61,28 @@ def cpu_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalL
     """Heads of 64 (the C++ attention kernel's smallest), every per-layer op on our CPU kernels."""
     path = tmp_path_factory.mktemp("runner-model-cpu")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, max_position_embeddings=64, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     ref = LlamaForCausalLM(cfg).float().eval()
     ref.save_pretrained(str(path))
-    return ref, ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", attention_backend="auto",
-                                         cache=CacheConfig(block_size=8, num_gpu_blocks=16)))
+    return ref, ModelRunner(
+        WorkerConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="auto",
+            cache=CacheConfig(block_size=8, num_gpu_blocks=16),
+        )
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
@@ -61,7 +98,7 @@ def test_greedy_decoding_through_steps_equals_transformers_generate(
     tokens = [list(p) for p in prompts]
     context = [0, 0]
     for step in range(new_tokens):
-        feeds = [Feed(i, tokens[i][context[i]:], context[i], tables[i], output_position=step) for i in range(2)]
+        feeds = [Feed(i, tokens[i][context[i] :], context[i], tables[i], output_position=step) for i in range(2)]
         result = runner.execute(make_plan(step, feeds))
         for i in range(2):
             context[i] = len(tokens[i])
@@ -69,8 +106,10 @@ def test_greedy_decoding_through_steps_equals_transformers_generate(
             outputs[i].append(int(result.sampled_token_ids[i]))
     for prompt, out in zip(prompts, outputs):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        assert out == want[0, len(prompt):].tolist()
+            want = ref.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+        assert out == want[0, len(prompt) :].tolist()
 
 
 def test_unsampled_rows_return_minus_one(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
@@ -83,11 +122,16 @@ def test_unsampled_rows_return_minus_one(model: tuple[LlamaForCausalLM, ModelRun
 def test_seeded_sampling_depends_on_seed_and_position_only(model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
     _, runner = model
     alone = runner.execute(make_plan(0, [Feed(0, [7, 8, 9], 0, [1], temperature=1.0, seed=99, output_position=4)]))
-    crowd = runner.execute(make_plan(1, [
-        Feed(1, [3, 3], 0, [2], temperature=0.5, seed=1),
-        Feed(0, [7, 8, 9], 0, [1], temperature=1.0, seed=99, output_position=4),
-        Feed(2, [4], 0, [3]),
-    ]))
+    crowd = runner.execute(
+        make_plan(
+            1,
+            [
+                Feed(1, [3, 3], 0, [2], temperature=0.5, seed=1),
+                Feed(0, [7, 8, 9], 0, [1], temperature=1.0, seed=99, output_position=4),
+                Feed(2, [4], 0, [3]),
+            ],
+        )
+    )
     assert alone.sampled_token_ids[0] == crowd.sampled_token_ids[1]
 
 
@@ -119,7 +163,9 @@ def test_inconsistent_plan_arrays_are_refused(model: tuple[LlamaForCausalLM, Mod
         runner.execute(broken)
 
 
-def test_cpu_steps_are_padded_to_gemm_buckets_without_changing_a_token(cpu_model: tuple[LlamaForCausalLM, ModelRunner]) -> None:
+def test_cpu_steps_are_padded_to_gemm_buckets_without_changing_a_token(
+    cpu_model: tuple[LlamaForCausalLM, ModelRunner],
+) -> None:
     _, runner = cpu_model
     assert runner._gemm_buckets is not None and runner._gemm_buckets.pad(5) == 8
     # 3 + 1 + 1 = 5 tokens run as 8 rows; 2 of 3 sequences sample (LM head rows padded to 2).

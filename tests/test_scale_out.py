@@ -36,9 +36,26 @@ class Worker:
 
 def start_worker(model_dir: Path, scheduler_port: int) -> Worker:
     address = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
-           "--listen", address, "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "128",
-           "--scheduler", f"127.0.0.1:{scheduler_port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "--log-level",
+        "warning",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--listen",
+        address,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "128",
+        "--scheduler",
+        f"127.0.0.1:{scheduler_port}",
+    ]
     return Worker(subprocess.Popen(cmd, cwd=REPO), address)
 
 
@@ -115,7 +132,7 @@ async def test_a_killed_worker_costs_a_re_prefill_not_a_token_then_a_new_worker_
 
 
 async def test_a_worker_stopped_with_sigterm_hands_its_requests_over_before_it_exits(
-    two_groups: tuple[Scheduler, list[Worker]]
+    two_groups: tuple[Scheduler, list[Worker]],
 ) -> None:
     s, workers = two_groups
     reqs = requests(max_tokens=48)
@@ -185,7 +202,10 @@ async def test_with_every_worker_gone_requests_end_within_seconds_and_serving_re
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
         assert time.monotonic() - killed < 10
         for i in range(8):
-            assert codes[i] == (grpc.StatusCode.ABORTED if received[i] else grpc.StatusCode.UNAVAILABLE), (i, received[i])
+            assert codes[i] == (grpc.StatusCode.ABORTED if received[i] else grpc.StatusCode.UNAVAILABLE), (
+                i,
+                received[i],
+            )
         assert any(received) and not all(received)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(s.stub, request(ids=[5, 6], max_tokens=2))

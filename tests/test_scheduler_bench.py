@@ -24,7 +24,10 @@ def test_quick_run_reports_and_leaves_every_block_free(tmp_path: Path) -> None:
     out = tmp_path / "scheduler_bench.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--requests", "200", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "target <1 ms/step: " in proc.stdout

@@ -58,7 +58,11 @@ class FakeRows:
 
     def result(self) -> StepResult:
         return StepResult(
-            self.plan.step_id, self.tokens, logprobs=self.logprobs, top_token_ids=self.top_ids, top_logprobs=self.top_lps
+            self.plan.step_id,
+            self.tokens,
+            logprobs=self.logprobs,
+            top_token_ids=self.top_ids,
+            top_logprobs=self.top_lps,
         )
 
 
@@ -74,17 +78,31 @@ def fake_execute(plan: StepPlan) -> StepResult:
     return rows.result()
 
 
-def make_scheduler(num_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4, prefix_caching: bool = True,
-                   block_bytes: int = 1000, max_model_len: int = 1024, **cfg: object) -> Scheduler:
+def make_scheduler(
+    num_blocks: int,
+    num_cpu_blocks: int = 0,
+    block_size: int = 4,
+    prefix_caching: bool = True,
+    block_bytes: int = 1000,
+    max_model_len: int = 1024,
+    **cfg: object,
+) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len, frozenset({EOS}), block_bytes=block_bytes)  # type: ignore[arg-type]
 
 
-def make_group(s: Scheduler, prompt: list[int], max_tokens: int | None, arrival: int, priority: int = 0,
-               **sampling: object) -> SequenceGroup:
+def make_group(
+    s: Scheduler, prompt: list[int], max_tokens: int | None, arrival: int, priority: int = 0, **sampling: object
+) -> SequenceGroup:
     params = SamplingParams(**sampling)  # type: ignore[arg-type]
-    seq = Sequence(s.new_seq_id(), f"r{arrival}", list(prompt), params,
-                   StoppingParams(max_tokens=max_tokens, ignore_eos=True), arrival)
+    seq = Sequence(
+        s.new_seq_id(),
+        f"r{arrival}",
+        list(prompt),
+        params,
+        StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival,
+    )
     group = SequenceGroup(seq.request_id, [seq], params, arrival, priority=priority)
     s.add(group)
     return group
@@ -117,6 +135,7 @@ def outputs_alone(prompt: list[int], max_tokens: int, **sampling: object) -> lis
 
 
 # ---- preemption ----
+
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_preempted_requests_produce_exactly_their_undisturbed_tokens(mode: str) -> None:
@@ -206,6 +225,7 @@ def test_swapped_group_resumes_before_a_later_arrival() -> None:
 
 # ---- priority ----
 
+
 def test_high_priority_request_preempts_lower_priority_ones() -> None:
     s = make_scheduler(num_blocks=8, num_cpu_blocks=16, max_num_seqs=8)
     low = [make_group(s, prompt_of(i, 6), 20, i, priority=5) for i in range(3)]
@@ -250,6 +270,7 @@ def test_waiting_queue_is_ordered_by_priority_then_arrival() -> None:
 
 # ---- prefix caching ----
 
+
 def test_repeated_prompt_is_served_from_the_prefix_cache() -> None:
     s = make_scheduler(num_blocks=32)
     prompt = prompt_of(3, 18)  # 4 full blocks of 4 + 2 tokens
@@ -274,6 +295,7 @@ def test_prefix_caching_off_computes_everything() -> None:
 
 
 # ---- forks: n samples, best_of, beams ----
+
 
 def test_n_samples_share_the_prompt_and_fork_before_its_last_token() -> None:
     s = make_scheduler(num_blocks=32)
@@ -399,8 +421,14 @@ def _scoring_worker(plan: StepPlan) -> StepResult:
     starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(plan.context_lens, plan.query_lens)])
     hidden = torch.tensor(positions, dtype=torch.float32)[:, None]
-    values = prompt_logprobs(lambda h: h * 0.01 * torch.arange(VOCAB, dtype=torch.float32)[None, :], hidden, starts,
-                             plan.input_ids, s.prompt_logprobs, s.prompt_next_token)
+    values = prompt_logprobs(
+        lambda h: h * 0.01 * torch.arange(VOCAB, dtype=torch.float32)[None, :],
+        hidden,
+        starts,
+        plan.input_ids,
+        s.prompt_logprobs,
+        s.prompt_next_token,
+    )
     fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
     return StepResult(result.step_id, result.sampled_token_ids, logprobs=result.logprobs, **dict(zip(fields, values)))
 

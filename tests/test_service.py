@@ -15,7 +15,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from tests.conftest import KERNEL_DEVICE, Scheduler, collect, free_port, request, start_scheduler, start_worker, stop_scheduler
+from tests.conftest import (
+    KERNEL_DEVICE,
+    Scheduler,
+    collect,
+    free_port,
+    request,
+    start_scheduler,
+    start_worker,
+    stop_scheduler,
+)
 
 
 async def test_stream_delivers_every_token_then_the_finish_reason(tiny_scheduler: Scheduler) -> None:
@@ -41,7 +50,9 @@ async def test_text_prompt_is_tokenized_by_the_server(tiny_scheduler: Scheduler)
 async def test_concurrent_requests_equal_their_solo_runs(tiny_scheduler: Scheduler) -> None:
     prompts = [[100 + i * 37 + k for k in range(3 + 5 * i)] for i in range(8)]
     solo = [await collect(tiny_scheduler.stub, request(ids=p, max_tokens=12, ignore_eos=True)) for p in prompts]
-    together = await asyncio.gather(*(collect(tiny_scheduler.stub, request(ids=p, max_tokens=12, ignore_eos=True)) for p in prompts))
+    together = await asyncio.gather(
+        *(collect(tiny_scheduler.stub, request(ids=p, max_tokens=12, ignore_eos=True)) for p in prompts)
+    )
     assert [g.token_ids for g in together] == [g.token_ids for g in solo]
 
 
@@ -49,7 +60,9 @@ async def test_stop_string_and_stop_token(tiny_scheduler: Scheduler) -> None:
     base = await collect(tiny_scheduler.stub, request(ids=[5, 6, 7], max_tokens=20, ignore_eos=True))
     stop_token = base.token_ids[5]
     first = base.token_ids.index(stop_token)
-    by_token = await collect(tiny_scheduler.stub, request(ids=[5, 6, 7], max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]))
+    by_token = await collect(
+        tiny_scheduler.stub, request(ids=[5, 6, 7], max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token])
+    )
     assert by_token.token_ids == base.token_ids[: first + 1]
     assert by_token.final.finish_reason == pb.FINISH_REASON_STOP
     text = base.text
@@ -167,7 +180,9 @@ async def test_preemption_under_a_small_pool_keeps_outputs_exact(tiny_model_dir:
         prompts = [[200 + 11 * i + k for k in range(20)] for i in range(6)]
         solo = [await collect(s.stub, request(ids=p, max_tokens=44, ignore_eos=True)) for p in prompts]
         assert s.engine.scheduler.num_preemptions == 0
-        together = await asyncio.gather(*(collect(s.stub, request(ids=p, max_tokens=44, ignore_eos=True)) for p in prompts))
+        together = await asyncio.gather(
+            *(collect(s.stub, request(ids=p, max_tokens=44, ignore_eos=True)) for p in prompts)
+        )
         assert s.engine.scheduler.num_preemptions > 0
         assert [g.token_ids for g in together] == [g.token_ids for g in solo]
         assert [g.text for g in together] == [g.text for g in solo]
@@ -187,7 +202,9 @@ async def test_triton_backend_worker_streams_what_the_torch_backend_streams(
     """The worker flag end to end: Triton kernels (interpreter on CPU) behind the real services."""
     prompts = [[300 + 7 * i + k for k in range(5 + 9 * i)] for i in range(3)]
     want = [await collect(tiny_scheduler.stub, request(ids=p, max_tokens=6, ignore_eos=True)) for p in prompts]
-    worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "32", "--attention-backend", "triton", "--device", KERNEL_DEVICE)
+    worker = start_worker(
+        tiny_model_dir, "--num-gpu-blocks", "32", "--attention-backend", "triton", "--device", KERNEL_DEVICE
+    )
     s = await start_scheduler(tiny_model_dir, worker.address)
     try:
         await s.wait_ready()

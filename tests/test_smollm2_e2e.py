@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-
 import signal
 import subprocess
 import sys
@@ -61,9 +60,24 @@ class Up:
     def __init__(self, model_dir: Path, *extra: str) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "up", "--model", str(model_dir),
-             "--dtype", "float32", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-             "--no-http", *extra],  # gRPC only (tests/test_gateway.py has the HTTP side); two run at once here
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "--log-level",
+                "warning",
+                "up",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--port",
+                str(self.port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--no-http",
+                *extra,
+            ],  # gRPC only (tests/test_gateway.py has the HTTP side); two run at once here
             cwd=REPO,
         )
         self.address = f"127.0.0.1:{self.port}"
@@ -75,7 +89,10 @@ class Up:
             while time.monotonic() < deadline:
                 assert self.proc.poll() is None, "llmserve up exited early"
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return
                 except grpc.RpcError:
                     pass
@@ -104,7 +121,10 @@ def prompts(smollm2_dir: Path) -> list[str]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    chats = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True) for c in CHATS]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+        for c in CHATS
+    ]
     return chats + RAW
 
 
@@ -120,7 +140,7 @@ def reference(model_dir: Path, prompts: list[str], **generate: object) -> list[t
         for prompt in prompts:
             ids = tok(prompt, return_tensors="pt").input_ids
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **generate)
-            out.append((ids.shape[1], gen[0, ids.shape[1]:].tolist()))
+            out.append((ids.shape[1], gen[0, ids.shape[1] :].tolist()))
     return out
 
 
@@ -151,7 +171,9 @@ def test_beam_search_equals_transformers_beam_search(up: Up, smollm2_dir: Path, 
             return await asyncio.gather(*(collect(stub, request(p, max_tokens=BEAM_NEW, beam_width=4)) for p in chosen))
 
     ours = asyncio.run(run())
-    want = reference(smollm2_dir, chosen, max_new_tokens=BEAM_NEW, num_beams=4, length_penalty=1.0, early_stopping=False)
+    want = reference(
+        smollm2_dir, chosen, max_new_tokens=BEAM_NEW, num_beams=4, length_penalty=1.0, early_stopping=False
+    )
     for prompt, gen, (_, ref) in zip(chosen, ours, want):
         assert len(gen.messages) == 1 and gen.final.index == 0
         assert gen.token_ids == ref, f"best beam differs for {prompt!r}"
@@ -180,7 +202,9 @@ def test_tp3_group_gives_the_greedy_outputs_of_one_worker(smollm2_dir: Path, pro
 
 
 def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:
-    listed = subprocess.run([GRPCURL, "-plaintext", up.address, "list"], capture_output=True, text=True, timeout=30, check=True)
+    listed = subprocess.run(
+        [GRPCURL, "-plaintext", up.address, "list"], capture_output=True, text=True, timeout=30, check=True
+    )
     # examples/grpcurl.md shows this listing: it must stay what the server says.
     example = (REPO / "examples" / "grpcurl.md").read_text()
     shown = example.split("$ $G -plaintext $ADDR list\n", 1)[1].split("```", 1)[0].split()
@@ -188,7 +212,10 @@ def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:
     body = json.dumps({"prompt": "The capital of France is", "stopping": {"maxTokens": 6, "ignoreEos": True}})
     call = subprocess.run(
         [GRPCURL, "-plaintext", "-d", body, up.address, "llmserve.v1.Generation/Generate"],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     messages = [json.loads(chunk) for chunk in call.stdout.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
     assert sum(len(m.get("token_ids", m.get("tokenIds", []))) for m in messages) == 6
@@ -198,9 +225,23 @@ def test_grpcurl_lists_services_and_streams_a_generation(up: Up) -> None:
 
 def test_generate_command_streams_to_the_terminal(up: Up) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "generate", "The capital of France is", "--address", up.address,
-         "--max-tokens", "5", "--ignore-eos"],
-        capture_output=True, text=True, timeout=60, check=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "generate",
+            "The capital of France is",
+            "--address",
+            up.address,
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
     )
     assert "Paris" in out.stdout
     assert "5 generated, finish: length" in out.stderr
@@ -229,5 +270,9 @@ def test_sigterm_shuts_down_cleanly_leaving_no_process(up: Up) -> None:
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+    alive = [
+        pid
+        for pid in workers
+        if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    ]
     assert not alive, f"processes left behind: {alive}"

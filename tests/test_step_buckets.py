@@ -11,7 +11,18 @@ from worker_svc.step_buckets import Buckets, gemm_buckets, graph_buckets, pad_ro
 def test_gemm_buckets() -> None:
     b = gemm_buckets(2048)
     assert b.sizes[:8] == (1, 2, 4, 8, 16, 32, 48, 64) and b.largest == 2048
-    assert [b.pad(n) for n in (1, 3, 9, 17, 64, 65, 256, 257, 2000, 2048)] == [1, 4, 16, 32, 64, 80, 256, 384, 2048, 2048]
+    assert [b.pad(n) for n in (1, 3, 9, 17, 64, 65, 256, 257, 2000, 2048)] == [
+        1,
+        4,
+        16,
+        32,
+        64,
+        80,
+        256,
+        384,
+        2048,
+        2048,
+    ]
     assert b.pad(5000) == 5000  # beyond the largest: as it is
     assert all(b.pad(n) - n < 128 for n in range(1, 2049))
     assert gemm_buckets(100).largest == 96 and gemm_buckets(1).sizes == (1,)

@@ -15,9 +15,27 @@ from tests.conftest import REPO
 def test_quick_run_measures_the_idle_gap_of_both_modes(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "overlap.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/step_overlap.py", "--model", str(tiny_model_dir), "--num-seqs", "8",
-         "--step-ms", "5", "--max-tokens", "24", "--out", str(out), "--results-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "benchmarks/step_overlap.py",
+            "--model",
+            str(tiny_model_dir),
+            "--num-seqs",
+            "8",
+            "--step-ms",
+            "5",
+            "--max-tokens",
+            "24",
+            "--out",
+            str(out),
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())

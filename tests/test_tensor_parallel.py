@@ -46,9 +46,17 @@ BASE: dict[str, Any] = dict(
 CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "kv2-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "kv4-tied": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "kv8-untied-o-and-mlp-bias": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=8, attention_bias=True, mlp_bias=True)),
+    "kv8-untied-o-and-mlp-bias": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(num_key_value_heads=8, attention_bias=True, mlp_bias=True),
+    ),
     # 509 is prime: the vocab-parallel layers pad it on every group size.
-    "kv1-tied-odd-vocab": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=1, vocab_size=509, tie_word_embeddings=True)),
+    "kv1-tied-odd-vocab": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(num_key_value_heads=1, vocab_size=509, tie_word_embeddings=True),
+    ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
 }
 STEPS = [  # (seq, start, count) fed per step, as in test_model_forward
@@ -78,8 +86,13 @@ def run_steps(model_dir: str, group: ParallelGroup, vocab: int) -> torch.Tensor:
     from worker_svc.runner import ModelRunner
 
     runner = ModelRunner(
-        WorkerConfig(model=model_dir, dtype="float32", device="cpu", attention_backend="torch",
-                     cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=0)),
+        WorkerConfig(
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=0),
+        ),
         group,
     )
     g = torch.Generator().manual_seed(1)
@@ -207,7 +220,9 @@ class RecordingSlice:
 def test_each_rank_loads_only_its_slice(tmp_path: Path, rank: int) -> None:
     """tp=4 over 8 query heads, 2 KV heads (replicated pairwise), vocab 509 (padded to 4 x 128)."""
     model_dir = save_checkpoint(tmp_path, "kv2-untied")
-    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": 509'))
+    (tmp_path / "config.json").write_text(
+        (tmp_path / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": 509')
+    )
     full = load_file(str(tmp_path / "model.safetensors"))
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         full[name] = full[name][:509].contiguous()
@@ -247,15 +262,23 @@ def test_each_rank_loads_only_its_slice(tmp_path: Path, rank: int) -> None:
     # The values are the right slices.
     layer = "model.layers.0"
     qkv = params[f"{layer}.self_attn.qkv_proj.weight"]
-    torch.testing.assert_close(qkv[: 2 * d], full[f"{layer}.self_attn.q_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d])
-    torch.testing.assert_close(qkv[2 * d : 3 * d], full[f"{layer}.self_attn.k_proj.weight"][kv_head * d : (kv_head + 1) * d])
+    torch.testing.assert_close(
+        qkv[: 2 * d], full[f"{layer}.self_attn.q_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d]
+    )
+    torch.testing.assert_close(
+        qkv[2 * d : 3 * d], full[f"{layer}.self_attn.k_proj.weight"][kv_head * d : (kv_head + 1) * d]
+    )
     torch.testing.assert_close(qkv[3 * d :], full[f"{layer}.self_attn.v_proj.weight"][kv_head * d : (kv_head + 1) * d])
-    torch.testing.assert_close(params[f"{layer}.self_attn.o_proj.weight"],
-                               full[f"{layer}.self_attn.o_proj.weight"][:, rank * 2 * d : (rank + 1) * 2 * d])
+    torch.testing.assert_close(
+        params[f"{layer}.self_attn.o_proj.weight"],
+        full[f"{layer}.self_attn.o_proj.weight"][:, rank * 2 * d : (rank + 1) * 2 * d],
+    )
     gate_up = params[f"{layer}.mlp.gate_up_proj.weight"]
     torch.testing.assert_close(gate_up[32:], full[f"{layer}.mlp.up_proj.weight"][rank * 32 : (rank + 1) * 32])
     embed = params["model.embed_tokens.weight"]
-    torch.testing.assert_close(embed[:vocab_rows], full["model.embed_tokens.weight"][rank * 128 : rank * 128 + vocab_rows])
+    torch.testing.assert_close(
+        embed[:vocab_rows], full["model.embed_tokens.weight"][rank * 128 : rank * 128 + vocab_rows]
+    )
     assert not embed[vocab_rows:].any()  # padding rows of the last rank
 
 
@@ -269,8 +292,17 @@ def test_tied_head_shares_the_embedding_shard(tmp_path: Path) -> None:
 
 
 def smollm2_like(**overrides: int) -> LlamaConfig:
-    params = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                  num_attention_heads=9, num_key_value_heads=3) | overrides
+    params = (
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=1,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+        )
+        | overrides
+    )
     return LlamaConfig(**params)
 
 
@@ -279,8 +311,11 @@ def smollm2_like(**overrides: int) -> LlamaConfig:
     [
         (smollm2_like(), 2, "tp=2 cannot split 9 attention heads; sizes that work: 1, 3"),
         (smollm2_like(), 9, "tp=9 cannot split an MLP intermediate size of 1536; sizes that work: 1, 3"),
-        (smollm2_like(num_attention_heads=12, num_key_value_heads=3, hidden_size=768), 4,
-         r"tp=4 cannot split 3 KV heads \(nor replicate them evenly\); sizes that work: 1, 3, 6, 12"),
+        (
+            smollm2_like(num_attention_heads=12, num_key_value_heads=3, hidden_size=768),
+            4,
+            r"tp=4 cannot split 3 KV heads \(nor replicate them evenly\); sizes that work: 1, 3, 6, 12",
+        ),
     ],
 )
 def test_unsplittable_sizes_are_refused(config: LlamaConfig, tp: int, message: str) -> None:

@@ -34,7 +34,7 @@ def test_text_equals_the_full_decode_difference(tok: Tokenizer) -> None:
     prompt = tok.encode("The quick brown fox")
     out = tok.encode(" jumps over the lazy dog.\nAnd then:  two  spaces")
     pieces = stream_all(TextStream(tok, prompt), out)
-    assert "".join(pieces) == tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert "".join(pieces) == tok.decode(prompt + out)[len(tok.decode(prompt)) :]
 
 
 def test_special_tokens_are_skipped(tok: Tokenizer) -> None:

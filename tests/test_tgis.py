@@ -17,10 +17,10 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from llmserve.cli import cache_root
 from common.pb.fmaas import generation_pb2 as tgis
 from common.pb.fmaas import generation_pb2_grpc as tgis_grpc
 from common.pb.llmserve.v1 import generation_pb2 as pb
+from llmserve.cli import cache_root
 from scheduler_svc import tgis_wire
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.sequence import FinishReason
@@ -51,7 +51,9 @@ def single(text: str, p: tgis.Parameters) -> tgis.SingleGenerationRequest:
 
 
 def batched(texts: list[str], p: tgis.Parameters) -> tgis.BatchedGenerationRequest:
-    return tgis.BatchedGenerationRequest(model_id="any-name", requests=[tgis.GenerationRequest(text=t) for t in texts], params=p)
+    return tgis.BatchedGenerationRequest(
+        model_id="any-name", requests=[tgis.GenerationRequest(text=t) for t in texts], params=p
+    )
 
 
 async def stream(s: Scheduler, req: tgis.SingleGenerationRequest) -> list[tgis.GenerationResponse]:
@@ -111,7 +113,9 @@ async def test_stop_sequence_is_kept_by_default_and_dropped_on_request(tiny_sche
     kept = (await stub(tiny_scheduler).Generate(batched([prompt], params(20, stop_sequences=[stop])))).responses[0]
     assert kept.stop_reason == tgis.STOP_SEQUENCE and kept.stop_sequence == stop
     assert kept.text == before + stop  # TGIS's server default: include_stop_sequence
-    dropped = await stream(tiny_scheduler, single(prompt, params(20, stop_sequences=[stop], include_stop_sequence=False)))
+    dropped = await stream(
+        tiny_scheduler, single(prompt, params(20, stop_sequences=[stop], include_stop_sequence=False))
+    )
     assert dropped[-1].stop_reason == tgis.STOP_SEQUENCE and dropped[-1].stop_sequence == stop
     assert "".join(m.text for m in dropped) == before
 
@@ -168,14 +172,22 @@ async def test_sampling_is_reproducible_from_the_reported_seed(tiny_scheduler: S
 @pytest.mark.parametrize(
     ("field", "edit"),
     [
-        ("params.sampling.typical_p", lambda p: (setattr(p, "method", tgis.SAMPLE), setattr(p.sampling, "typical_p", 0.5))),
-        ("params.response.token_ranks", lambda p: (setattr(p.response, "input_tokens", True), setattr(p.response, "token_ranks", True))),
+        (
+            "params.sampling.typical_p",
+            lambda p: (setattr(p, "method", tgis.SAMPLE), setattr(p.sampling, "typical_p", 0.5)),
+        ),
+        (
+            "params.response.token_ranks",
+            lambda p: (setattr(p.response, "input_tokens", True), setattr(p.response, "token_ranks", True)),
+        ),
         ("params.decoding.length_penalty", lambda p: p.decoding.length_penalty.SetInParent()),
         ("params.decoding.regex", lambda p: setattr(p.decoding, "regex", "[0-9]+")),
         ("params.decoding.json_schema", lambda p: setattr(p.decoding, "json_schema", "{}")),
     ],
 )
-async def test_unsupported_options_are_unimplemented_naming_the_field(tiny_scheduler: Scheduler, field: str, edit: object) -> None:
+async def test_unsupported_options_are_unimplemented_naming_the_field(
+    tiny_scheduler: Scheduler, field: str, edit: object
+) -> None:
     p = params(4)
     edit(p)  # type: ignore[operator]
     for call in (stub(tiny_scheduler).Generate(batched(["hi"], p)), stream(tiny_scheduler, single("hi", p))):
@@ -196,7 +208,9 @@ async def test_token_logprobs_and_top_tokens_match_the_native_api(tiny_scheduler
     want = [e for m in native.messages for e in m.logprobs]
     assert [t.logprob for t in generated] == pytest.approx([e.logprob for e in want], abs=1e-6)
     assert [t.top_tokens[0].logprob for t in generated] == pytest.approx([e.top[0].logprob for e in want], abs=1e-6)
-    assert [t.logprob for t in inputs[1:]] == pytest.approx([e.logprob for e in native.messages[0].prompt_logprobs], abs=1e-6)
+    assert [t.logprob for t in inputs[1:]] == pytest.approx(
+        [e.logprob for e in native.messages[0].prompt_logprobs], abs=1e-6
+    )
     batched_one = (await stub(tiny_scheduler).Generate(batched([PROMPTS[1]], p))).responses[0]
     assert [t.logprob for t in batched_one.tokens] == pytest.approx([t.logprob for t in generated], abs=1e-6)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -233,7 +247,9 @@ def test_requests_map_to_the_engine_request() -> None:
         tgis.Parameters(
             method=tgis.SAMPLE,
             sampling=tgis.SamplingParameters(top_k=5, top_p=0.9, seed=7),
-            stopping=tgis.StoppingCriteria(max_new_tokens=30, min_new_tokens=3, stop_sequences=["\n"], time_limit_millis=1500),
+            stopping=tgis.StoppingCriteria(
+                max_new_tokens=30, min_new_tokens=3, stop_sequences=["\n"], time_limit_millis=1500
+            ),
             decoding=tgis.DecodingParameters(repetition_penalty=1.2),
         )
     )
@@ -268,7 +284,9 @@ def test_stop_reasons() -> None:
 async def test_tokenize_counts_tokens_and_offsets_with_truncation(tiny_scheduler: Scheduler) -> None:
     backend = tiny_scheduler.engine.tokenizer.backend
     reply = await stub(tiny_scheduler).Tokenize(
-        tgis.BatchedTokenizeRequest(requests=[tgis.TokenizeRequest(text=t) for t in PROMPTS], return_tokens=True, return_offsets=True)
+        tgis.BatchedTokenizeRequest(
+            requests=[tgis.TokenizeRequest(text=t) for t in PROMPTS], return_tokens=True, return_offsets=True
+        )
     )
     for text, r in zip(PROMPTS, reply.responses):
         enc = backend.encode(text, add_special_tokens=True)
@@ -289,7 +307,9 @@ async def test_model_info(tiny_scheduler: Scheduler) -> None:
 
 
 async def grpcurl(*args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(GRPCURL, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        GRPCURL, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return out.decode()
@@ -299,7 +319,10 @@ async def test_grpcurl_sees_the_tgis_service_through_reflection(tiny_scheduler: 
     address = f"127.0.0.1:{tiny_scheduler.port}"
     assert "fmaas.GenerationService" in (await grpcurl("-plaintext", address, "list")).split()
     described = await grpcurl("-plaintext", address, "describe", "fmaas.GenerationService")
-    assert "rpc GenerateStream ( .fmaas.SingleGenerationRequest ) returns ( stream .fmaas.GenerationResponse );" in described
+    assert (
+        "rpc GenerateStream ( .fmaas.SingleGenerationRequest ) returns ( stream .fmaas.GenerationResponse );"
+        in described
+    )
     info = json.loads(await grpcurl("-plaintext", "-d", "{}", address, "fmaas.GenerationService/ModelInfo"))
     assert int(info["max_sequence_length"]) == tiny_scheduler.engine.limits.max_model_len
 
@@ -318,7 +341,9 @@ def tgis_client_python() -> Path:
     venv = cache_root() / "tgis-venv"
     proc = subprocess.run(
         ["bash", str(CLIENT_DIR / "setup_venv.sh"), str(venv), sys.executable],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0:
         pytest.fail(f"could not create the TGIS client venv at {venv}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -330,9 +355,16 @@ async def test_caikit_tgis_backend_client_streams_what_the_native_api_generates(
 ) -> None:
     prompt = PROMPTS[1]
     proc = await asyncio.create_subprocess_exec(
-        str(tgis_client_python), str(CLIENT_DIR / "stream.py"),
-        "--address", f"127.0.0.1:{tiny_scheduler.port}", "--prompt", prompt, "--max-new-tokens", "12",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        str(tgis_client_python),
+        str(CLIENT_DIR / "stream.py"),
+        "--address",
+        f"127.0.0.1:{tiny_scheduler.port}",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "12",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     assert proc.returncode == 0, err.decode()[-5000:]

@@ -20,10 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from llmserve.cli import _client_tls_config, _parser, _server_config, _tls_config
 from common.config import SchedulerConfig, ServerConfig, TlsClientConfig, TlsConfig
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from common.tls import open_channel
+from llmserve.cli import _client_tls_config, _parser, _server_config, _tls_config
 from scheduler_svc.server import SchedulerServer
 from tests.conftest import REPO, WorkerProcess, collect, request, start_worker
 
@@ -46,8 +46,22 @@ def _openssl(cwd: Path, *args: str) -> None:
 
 def _make_ca(d: Path, name: str) -> None:
     _openssl(
-        d, "req", "-x509", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        d,
+        "req",
+        "-x509",
+        *EC_KEY,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
     )
 
 
@@ -55,8 +69,23 @@ def _make_leaf(d: Path, name: str, ca: str, serial: int, extensions: str) -> Non
     _openssl(d, "req", "-new", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
     (d / f"{name}.ext").write_text(extensions)
     _openssl(
-        d, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-        "-set_serial", str(serial), "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem",
+        d,
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-set_serial",
+        str(serial),
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.pem",
     )
 
 
@@ -82,8 +111,15 @@ def _credentials(pki: Pki, *, client_cert: bool = True, ca: str | None = None) -
 @pytest.fixture(scope="module")
 def tls_worker(tiny_model_dir: Path, pki: Pki) -> Iterator[WorkerProcess]:
     worker = start_worker(
-        tiny_model_dir, "--num-gpu-blocks", "64",
-        "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca,
+        tiny_model_dir,
+        "--num-gpu-blocks",
+        "64",
+        "--tls-cert",
+        pki.server_cert,
+        "--tls-key",
+        pki.server_key,
+        "--tls-client-ca",
+        pki.ca,
     )
     yield worker
     worker.stop()
@@ -92,7 +128,9 @@ def tls_worker(tiny_model_dir: Path, pki: Pki) -> Iterator[WorkerProcess]:
 async def _start_scheduler(
     model_dir: Path, worker_address: str, server: ServerConfig, worker_tls: TlsClientConfig
 ) -> SchedulerServer:
-    s = SchedulerServer(str(model_dir), worker_address, server, SchedulerConfig(), step_timeout=60.0, worker_tls=worker_tls)
+    s = SchedulerServer(
+        str(model_dir), worker_address, server, SchedulerConfig(), step_timeout=60.0, worker_tls=worker_tls
+    )
     await s.start()
     return s
 
@@ -101,8 +139,11 @@ async def _start_scheduler(
 async def tls_scheduler(tiny_model_dir: Path, tls_worker: WorkerProcess, pki: Pki) -> AsyncIterator[SchedulerServer]:
     """TLS with client certificates required and reflection off; mutual TLS to the worker."""
     server = await _start_scheduler(
-        tiny_model_dir, tls_worker.address,
-        ServerConfig(host="127.0.0.1", port=0, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca), reflection=False),
+        tiny_model_dir,
+        tls_worker.address,
+        ServerConfig(
+            host="127.0.0.1", port=0, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca), reflection=False
+        ),
         TlsClientConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key),
     )
     try:
@@ -127,13 +168,17 @@ async def _health(channel: grpc.aio.Channel, service: str = "") -> int:
 
 async def test_mutual_tls_client_streams_a_generation(tls_scheduler: SchedulerServer, pki: Pki) -> None:
     async with grpc.aio.secure_channel(_address(tls_scheduler), _credentials(pki)) as channel:
-        gen = await collect(generation_pb2_grpc.GenerationStub(channel), request(ids=[10, 20, 30], max_tokens=5, ignore_eos=True))
+        gen = await collect(
+            generation_pb2_grpc.GenerationStub(channel), request(ids=[10, 20, 30], max_tokens=5, ignore_eos=True)
+        )
     assert len(gen.token_ids) == 5
     assert [m.completion_tokens for m in gen.messages] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("service", ["scheduler", "worker"])
-async def test_plaintext_client_is_refused(service: str, tls_scheduler: SchedulerServer, tls_worker: WorkerProcess) -> None:
+async def test_plaintext_client_is_refused(
+    service: str, tls_scheduler: SchedulerServer, tls_worker: WorkerProcess
+) -> None:
     address = _address(tls_scheduler) if service == "scheduler" else tls_worker.address
     async with grpc.aio.insecure_channel(address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -159,7 +204,9 @@ async def test_client_that_does_not_trust_the_server_ca_is_refused(tls_scheduler
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_server_name_override_is_what_the_certificate_is_checked_against(tls_scheduler: SchedulerServer, pki: Pki) -> None:
+async def test_server_name_override_is_what_the_certificate_is_checked_against(
+    tls_scheduler: SchedulerServer, pki: Pki
+) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     good = TlsClientConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name="localhost")
     async with open_channel(_address(tls_scheduler), good) as channel:
@@ -178,7 +225,9 @@ async def _list_services(channel: grpc.aio.Channel) -> list[str]:
     return sorted(s.name for r in replies for s in r.list_services_response.service)
 
 
-async def test_reflection_off_leaves_health_on(tls_scheduler: SchedulerServer, tls_worker: WorkerProcess, pki: Pki) -> None:
+async def test_reflection_off_leaves_health_on(
+    tls_scheduler: SchedulerServer, tls_worker: WorkerProcess, pki: Pki
+) -> None:
     async with grpc.aio.secure_channel(_address(tls_scheduler), _credentials(pki)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _list_services(channel)
@@ -188,7 +237,9 @@ async def test_reflection_off_leaves_health_on(tls_scheduler: SchedulerServer, t
     # The worker left reflection on: the same call lists its services over mutual TLS.
     async with grpc.aio.secure_channel(tls_worker.address, _credentials(pki)) as channel:
         assert await _list_services(channel) == [
-            "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "llmserve.v1.Worker",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+            "llmserve.v1.Worker",
         ]
 
 
@@ -197,7 +248,8 @@ async def test_scheduler_that_does_not_trust_the_worker_ca_never_becomes_ready(
 ) -> None:
     # tls_scheduler proves the worker is up and accepts this client certificate.
     server = await _start_scheduler(
-        tiny_model_dir, tls_worker.address,
+        tiny_model_dir,
+        tls_worker.address,
         ServerConfig(host="127.0.0.1", port=0),
         TlsClientConfig(ca=pki.other_ca, cert=pki.client_cert, key=pki.client_key),
     )
@@ -214,19 +266,42 @@ async def test_a_worker_registers_over_mutual_tls(tiny_model_dir: Path, pki: Pki
     """Register runs on the scheduler's public port, so it is as protected as Generate: a
     worker without the CA cannot register, one with the CA and a client certificate can."""
     server = await _start_scheduler(
-        tiny_model_dir, "", ServerConfig(host="127.0.0.1", port=0, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca)),
+        tiny_model_dir,
+        "",
+        ServerConfig(host="127.0.0.1", port=0, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca)),
         TlsClientConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key),
     )
     common = ["--num-gpu-blocks", "64", "--scheduler", f"127.0.0.1:{server.port}"]
-    untrusting = start_worker(tiny_model_dir, *common, "--scheduler-tls-ca", pki.other_ca,
-                              "--scheduler-tls-cert", pki.client_cert, "--scheduler-tls-key", pki.client_key)
+    untrusting = start_worker(
+        tiny_model_dir,
+        *common,
+        "--scheduler-tls-ca",
+        pki.other_ca,
+        "--scheduler-tls-cert",
+        pki.client_cert,
+        "--scheduler-tls-key",
+        pki.client_key,
+    )
     trusting = None
     try:
         await asyncio.sleep(4.0)
         assert not server.engine.ready
-        trusting = start_worker(tiny_model_dir, *common, "--scheduler-tls-ca", pki.ca,
-                                "--scheduler-tls-cert", pki.client_cert, "--scheduler-tls-key", pki.client_key,
-                                "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca)
+        trusting = start_worker(
+            tiny_model_dir,
+            *common,
+            "--scheduler-tls-ca",
+            pki.ca,
+            "--scheduler-tls-cert",
+            pki.client_cert,
+            "--scheduler-tls-key",
+            pki.client_key,
+            "--tls-cert",
+            pki.server_cert,
+            "--tls-key",
+            pki.server_key,
+            "--tls-client-ca",
+            pki.ca,
+        )
         for _ in range(1200):
             if server.engine.ready:
                 break
@@ -251,36 +326,74 @@ def test_tls_configs_refuse_missing_files_and_lone_halves(pki: Pki, tmp_path: Pa
 
 
 def test_cli_flags_build_the_configs(pki: Pki) -> None:
-    a = _parser().parse_args([
-        "scheduler", "--worker", "10.0.0.2:50052", "--no-reflection",
-        "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca,
-        "--worker-tls-ca", pki.ca, "--worker-tls-cert", pki.client_cert, "--worker-tls-key", pki.client_key,
-        "--worker-tls-server-name", "worker.internal",
-    ])
+    a = _parser().parse_args(
+        [
+            "scheduler",
+            "--worker",
+            "10.0.0.2:50052",
+            "--no-reflection",
+            "--tls-cert",
+            pki.server_cert,
+            "--tls-key",
+            pki.server_key,
+            "--tls-client-ca",
+            pki.ca,
+            "--worker-tls-ca",
+            pki.ca,
+            "--worker-tls-cert",
+            pki.client_cert,
+            "--worker-tls-key",
+            pki.client_key,
+            "--worker-tls-server-name",
+            "worker.internal",
+        ]
+    )
     assert _server_config(a) == ServerConfig(
         host="127.0.0.1", port=50051, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca), reflection=False
     )
-    assert _client_tls_config(a, "worker") == TlsClientConfig(pki.ca, pki.client_cert, pki.client_key, "worker.internal")
+    assert _client_tls_config(a, "worker") == TlsClientConfig(
+        pki.ca, pki.client_cert, pki.client_key, "worker.internal"
+    )
     plain = _parser().parse_args(["scheduler", "--worker", "10.0.0.2:50052"])
     assert _server_config(plain) == ServerConfig(host="127.0.0.1", port=50051)
     assert _client_tls_config(plain, "worker") is None
     for command in (["worker"], ["up"]):
-        a = _parser().parse_args([*command, "--no-reflection", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key])
+        a = _parser().parse_args(
+            [*command, "--no-reflection", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key]
+        )
         assert _tls_config(a) == TlsConfig(pki.server_cert, pki.server_key) and a.no_reflection
     with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert and --tls-key"):
         _tls_config(_parser().parse_args(["worker", "--tls-client-ca", pki.ca]))
     with pytest.raises(ValueError, match="--worker-tls-cert and --worker-tls-key go together"):
-        _client_tls_config(_parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]), "worker")
-    a = _parser().parse_args(["worker", "--scheduler", "s:1", "--scheduler-tls-ca", pki.ca, "--scheduler-tls-server-name", "s"])
+        _client_tls_config(
+            _parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]), "worker"
+        )
+    a = _parser().parse_args(
+        ["worker", "--scheduler", "s:1", "--scheduler-tls-ca", pki.ca, "--scheduler-tls-server-name", "s"]
+    )
     assert _client_tls_config(a, "scheduler") == TlsClientConfig(ca=pki.ca, server_name="s")
     assert _client_tls_config(_parser().parse_args(["worker"]), "scheduler") is None
 
 
 def test_tls_cert_without_key_is_refused_before_anything_starts(pki: Pki) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "scheduler", "--worker", "127.0.0.1:1", "--model", "/nonexistent",
-         "--tls-cert", pki.server_cert],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "scheduler",
+            "--worker",
+            "127.0.0.1:1",
+            "--model",
+            "/nonexistent",
+            "--tls-cert",
+            pki.server_cert,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 2
     assert "--tls-cert and --tls-key go together" in proc.stderr

@@ -26,9 +26,28 @@ def start_group(model_dir: Path, tp: int, dist_timeout: float = 5.0) -> tuple[su
     port = free_port()
     while any(_busy(port + r) for r in range(1, tp)):
         port = free_port()
-    cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "worker", "--model", str(model_dir),
-           "--listen", f"127.0.0.1:{port}", "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks", "64",
-           "--tp", str(tp), "--dist-timeout", str(dist_timeout)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "--log-level",
+        "warning",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "64",
+        "--tp",
+        str(tp),
+        "--dist-timeout",
+        str(dist_timeout),
+    ]
     return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(tp)]
 
 
@@ -40,14 +59,18 @@ def _busy(port: int) -> bool:
 
 
 def alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    return [
+        p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
 
 
 async def test_a_tp2_group_streams_what_one_worker_streams(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> None:
     single = await start_scheduler(tiny_model_dir, tiny_worker.address)
     try:
         await single.wait_ready()
-        want = await asyncio.gather(*(collect(single.stub, request(ids=p, max_tokens=12, ignore_eos=True)) for p in PROMPTS))
+        want = await asyncio.gather(
+            *(collect(single.stub, request(ids=p, max_tokens=12, ignore_eos=True)) for p in PROMPTS)
+        )
     finally:
         await stop_scheduler(single)
     launcher, addresses = start_group(tiny_model_dir, 2)
@@ -73,7 +96,12 @@ async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_
         assert len(ranks) == 2
         call = s.stub.Generate(request(ids=[5, 6, 7], max_tokens=400, ignore_eos=True))
         await call.read()
-        victim = next(pid for pid in ranks if f"127.0.0.1:{addresses[1].rsplit(':', 1)[1]}" in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+        victim = next(
+            pid
+            for pid in ranks
+            if f"127.0.0.1:{addresses[1].rsplit(':', 1)[1]}"
+            in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        )
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -97,8 +125,22 @@ async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_
 def test_a_group_size_the_model_cannot_split_is_refused_at_start(tiny_model_dir: Path) -> None:
     for command in ("worker", "up"):
         out = subprocess.run(
-            [sys.executable, "-m", "llmserve.cli", command, "--model", str(tiny_model_dir), "--device", "cpu", "--tp", "3"],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                command,
+                "--model",
+                str(tiny_model_dir),
+                "--device",
+                "cpu",
+                "--tp",
+                "3",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 2, out.stderr
         assert "tp=3 cannot split 4 attention heads" in out.stderr + out.stdout

@@ -36,14 +36,37 @@ async def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path) 
     with log.open("w") as sink:
         # Its own session and group, as a shell gives a foreground job: killpg is the Ctrl-C.
         up = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", "--log-level", "info", "up", "--model", str(tiny_model_dir),
-             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--no-http", "--drain-timeout", "60"],
-            cwd=REPO, stdout=sink, stderr=sink, start_new_session=True, env={**os.environ, "LLMSERVE_LOG_JSON": "1"},
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "--log-level",
+                "info",
+                "up",
+                "--model",
+                str(tiny_model_dir),
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--no-http",
+                "--drain-timeout",
+                "60",
+            ],
+            cwd=REPO,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=True,
+            env={**os.environ, "LLMSERVE_LOG_JSON": "1"},
         )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await wait_serving(channel, timeout=120)
-            call = generation_pb2_grpc.GenerationStub(channel).Generate(request(ids=[7, 8, 9], max_tokens=300, ignore_eos=True))
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(
+                request(ids=[7, 8, 9], max_tokens=300, ignore_eos=True)
+            )
             received = len((await call.read()).token_ids)
             os.killpg(up.pid, signal.SIGINT)
             while (message := await call.read()) is not grpc.aio.EOF:
@@ -73,9 +96,27 @@ def test_a_start_that_fails_leaves_no_temp_dir_and_no_worker(tiny_model_dir: Pat
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "--log-level", "info", "up", "--model", str(model), "--dtype", "float32",
-         "--device", "cpu", "--port", "0", "--no-http"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "--log-level",
+            "info",
+            "up",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--no-http",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "TMPDIR": str(tmp), "LLMSERVE_LOG_JSON": "1"},
     )
     assert proc.returncode == 2, proc.stderr[-3000:]

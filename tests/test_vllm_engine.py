@@ -18,11 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from common.pb.llmserve.v1 import generation_pb2 as pb
 from scheduler_svc import vllm_wire
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_event_log import CacheCleared, KvBatch, KvEventLog
@@ -120,11 +118,17 @@ async def test_text_input_is_tokenized_like_a_native_prompt(tiny_scheduler: Sche
 async def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(tiny_scheduler: Scheduler) -> None:
     long = [200 + k for k in range(30)]
     want = await native(tiny_scheduler, ids=long[-5:], max_tokens=4, ignore_eos=True)
-    (done,) = completes(await run(tiny_scheduler, generate(long, stream=False, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5)))
+    (done,) = completes(
+        await run(tiny_scheduler, generate(long, stream=False, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5))
+    )
     assert (list(done.output_ids), done.prompt_tokens) == (want, 5)
     # -1: as much of the end as the context takes (one token is left to generate)
     max_len = tiny_scheduler.engine.limits.max_model_len
-    (done,) = completes(await run(tiny_scheduler, generate([9] * (max_len + 20), stream=False, ignore_eos=True, truncate_prompt_tokens=-1)))
+    (done,) = completes(
+        await run(
+            tiny_scheduler, generate([9] * (max_len + 20), stream=False, ignore_eos=True, truncate_prompt_tokens=-1)
+        )
+    )
     assert (done.prompt_tokens, done.completion_tokens, done.finish_reason) == (max_len - 1, 1, "length")
 
 
@@ -147,7 +151,11 @@ async def test_stop_token_and_stop_string_are_reported_as_matched_stop(tiny_sche
     messages = await run(tiny_scheduler, generate(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]))
     (done,) = completes(messages)
     assert streamed_ids(messages) == list(done.output_ids) == base.token_ids[: cut + 1]
-    assert (done.finish_reason, done.WhichOneof("matched_stop"), done.matched_token_id) == ("stop", "matched_token_id", stop_token)
+    assert (done.finish_reason, done.WhichOneof("matched_stop"), done.matched_token_id) == (
+        "stop",
+        "matched_token_id",
+        stop_token,
+    )
 
     stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
     assert stop.strip(), "need a visible stop string"
@@ -162,10 +170,14 @@ async def test_eos_stops_with_no_matched_stop_unless_ignored(tiny_scheduler: Sch
     forced = {eos: 100.0}  # the bias makes eos the argmax at every step
     (done,) = completes(await run(tiny_scheduler, generate(stream=False, max_tokens=5, logit_bias=forced)))
     assert (list(done.output_ids), done.finish_reason, done.WhichOneof("matched_stop")) == ([eos], "stop", None)
-    (done,) = completes(await run(tiny_scheduler, generate(stream=False, max_tokens=5, logit_bias=forced, ignore_eos=True)))
+    (done,) = completes(
+        await run(tiny_scheduler, generate(stream=False, max_tokens=5, logit_bias=forced, ignore_eos=True))
+    )
     assert (list(done.output_ids), done.finish_reason) == ([eos] * 5, "length")
     # min_tokens bans eos (and the bias cannot bring it back) until three tokens are out
-    (done,) = completes(await run(tiny_scheduler, generate(stream=False, max_tokens=5, logit_bias=forced, min_tokens=3)))
+    (done,) = completes(
+        await run(tiny_scheduler, generate(stream=False, max_tokens=5, logit_bias=forced, min_tokens=3))
+    )
     assert len(done.output_ids) == 4 and done.output_ids[-1] == eos and eos not in done.output_ids[:3]
     # skip_special_tokens decides whether a stop string can match a special token's text
     eos_text = tiny_scheduler.engine.tokenizer.token_strings([eos])[0]
@@ -192,13 +204,17 @@ async def test_n_outputs_carry_their_index(tiny_scheduler: Scheduler) -> None:
     assert all(list(d.output_ids) == streamed_ids(messages, d.index) for d in done)
     assert done[0].output_ids != done[1].output_ids
     want = await collect(tiny_scheduler.stub, request(ids=PROMPT, **fields))  # type: ignore[arg-type]
-    assert [[t for m in want.messages if m.index == i for t in m.token_ids] for i in (0, 1)] == [list(d.output_ids) for d in done]
+    assert [[t for m in want.messages if m.index == i for t in m.token_ids] for i in (0, 1)] == [
+        list(d.output_ids) for d in done
+    ]
     unary = completes(await run(tiny_scheduler, generate(stream=False, **fields)))  # type: ignore[arg-type]
     assert [(c.index, list(c.output_ids)) for c in unary] == [(d.index, list(d.output_ids)) for d in done]
 
 
 async def test_logprobs_match_the_native_api(tiny_scheduler: Scheduler) -> None:
-    want = await collect(tiny_scheduler.stub, request(ids=PROMPT, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1))
+    want = await collect(
+        tiny_scheduler.stub, request(ids=PROMPT, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    )
     entries = [e for m in want.messages for e in m.logprobs]
     prompt_entries = list(want.messages[0].prompt_logprobs)
     messages = await run(tiny_scheduler, generate(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1))
@@ -213,7 +229,9 @@ async def test_logprobs_match_the_native_api(tiny_scheduler: Scheduler) -> None:
     assert not any(c.HasField("input_logprobs") for c in streamed[1:])
     assert list(first.token_ids) == PROMPT and not first.token_logprobs[0].HasField("value")
     assert [v.value for v in first.token_logprobs[1:]] == pytest.approx([e.logprob for e in prompt_entries], abs=1e-6)
-    (done,) = completes(await run(tiny_scheduler, generate(stream=False, max_tokens=5, ignore_eos=True, logprobs=0, prompt_logprobs=1)))
+    (done,) = completes(
+        await run(tiny_scheduler, generate(stream=False, max_tokens=5, ignore_eos=True, logprobs=0, prompt_logprobs=1))
+    )
     assert list(done.output_logprobs.token_logprobs) == pytest.approx(values, abs=1e-6)
     assert not done.output_logprobs.top_logprobs  # logprobs=0: the sampled token's only
     assert len(done.input_logprobs.token_logprobs) == len(PROMPT)
@@ -253,8 +271,15 @@ async def test_sampling_fields_reach_the_engine(tiny_scheduler: Scheduler, field
         ("choice", vpb.ChoiceConstraint(choices=["yes", "no"])),
     ],
 )
-async def test_structured_output_is_unimplemented_naming_the_constraint(tiny_scheduler: Scheduler, name: str, value: object) -> None:
-    await expect_error(tiny_scheduler, generate(max_tokens=2, **{name: value}), grpc.StatusCode.UNIMPLEMENTED, f"sampling_params.{name}")
+async def test_structured_output_is_unimplemented_naming_the_constraint(
+    tiny_scheduler: Scheduler, name: str, value: object
+) -> None:
+    await expect_error(
+        tiny_scheduler,
+        generate(max_tokens=2, **{name: value}),
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"sampling_params.{name}",
+    )
 
 
 def _with(edit: object) -> vpb.GenerateRequest:
@@ -284,7 +309,11 @@ def _with(edit: object) -> vpb.GenerateRequest:
         (generate(max_tokens=4, min_tokens=5), "INVALID_ARGUMENT", "sampling_params.min_tokens"),
         (generate(max_tokens=4, n=17), "INVALID_ARGUMENT", "sampling_params.n"),
         (generate(max_tokens=4, logit_bias={5: 200.0}), "INVALID_ARGUMENT", "sampling_params.logit_bias[5]"),
-        (generate(max_tokens=4, truncate_prompt_tokens=0), "INVALID_ARGUMENT", "sampling_params.truncate_prompt_tokens"),
+        (
+            generate(max_tokens=4, truncate_prompt_tokens=0),
+            "INVALID_ARGUMENT",
+            "sampling_params.truncate_prompt_tokens",
+        ),
         (_with(lambda r: setattr(r, "data_parallel_rank", 1)), "INVALID_ARGUMENT", "data_parallel_rank"),
         (_with(lambda r: r.mm_inputs.mm_hashes.append("x")), "UNIMPLEMENTED", "mm_inputs"),
         (_with(lambda r: setattr(r, "kv_transfer_params_json", "{}")), "UNIMPLEMENTED", "kv_transfer_params_json"),
@@ -441,7 +470,9 @@ async def test_kv_events_report_stored_and_removed_blocks(tiny_scheduler: Schedu
     events.cancel()
 
     # a subscriber resuming after the first batch is replayed the second
-    resumed = stub(tiny_scheduler).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=batch.sequence_number))
+    resumed = stub(tiny_scheduler).SubscribeKvEvents(
+        common_pb2.SubscribeKvEventsRequest(start_sequence_number=batch.sequence_number)
+    )
     assert await next_batch(resumed) == removed
     resumed.cancel()
     # one the history cannot serve is told to forget this engine's blocks, numbered after its cursor
@@ -464,8 +495,12 @@ async def test_unsupported_rpcs_and_reflection(tiny_scheduler: Scheduler) -> Non
             await call
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details()
     proc = await asyncio.create_subprocess_exec(
-        GRPCURL, "-plaintext", f"127.0.0.1:{tiny_scheduler.port}", "list",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        GRPCURL,
+        "-plaintext",
+        f"127.0.0.1:{tiny_scheduler.port}",
+        "list",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err_out = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err_out.decode()
@@ -484,7 +519,12 @@ def test_block_manager_records_what_its_prefix_cache_indexes_and_evicts() -> Non
     assert not lost and [type(e) for e in events] == [BlockStored, BlockStored]
     first, second = events
     assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
-    assert (first.token_ids, first.parent_hash, second.token_ids, second.parent_hash) == ((1, 2), None, (3, 4), first.block_hash)
+    assert (first.token_ids, first.parent_hash, second.token_ids, second.parent_hash) == (
+        (1, 2),
+        None,
+        (3, 4),
+        first.block_hash,
+    )
     bm.free(0)
     bm.allocate(1, 6)  # takes every block: the cached ones are evicted, tail first
     assert bm.kv_events.drain() == ([BlockRemoved(second.block_hash), BlockRemoved(first.block_hash)], False)
@@ -513,31 +553,70 @@ async def test_event_log_merges_groups_and_resyncs_after_loss() -> None:
 
 
 def test_kv_batches_chain_consecutive_stores() -> None:
-    batch = KvBatch(9, 1.5, (
-        BlockStored(11, None, (1, 2)), BlockStored(12, 11, (3, 4)), BlockStored(21, 5, (9, 9)),
-        BlockRemoved(12), CacheCleared(),
-    ))
+    batch = KvBatch(
+        9,
+        1.5,
+        (
+            BlockStored(11, None, (1, 2)),
+            BlockStored(12, 11, (3, 4)),
+            BlockStored(21, 5, (9, 9)),
+            BlockRemoved(12),
+            CacheCleared(),
+        ),
+    )
     msg = vllm_wire.kv_batch(batch)
     kinds = [e.WhichOneof("data") for e in msg.events]
     assert (msg.sequence_number, kinds) == (9, ["stored", "stored", "removed", "cleared"])
-    assert [b.block_hash for b in msg.events[0].stored.blocks] == [11, 12] and not msg.events[0].stored.HasField("parent_block_hash")
+    assert [b.block_hash for b in msg.events[0].stored.blocks] == [11, 12] and not msg.events[0].stored.HasField(
+        "parent_block_hash"
+    )
     assert msg.events[1].stored.parent_block_hash == 5 and list(msg.events[2].removed.block_hashes) == [12]
 
 
 def test_requests_map_to_the_engine_request() -> None:
     params = vpb.SamplingParams(
-        top_p=0.9, top_k=5, min_p=0.1, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.1,
-        max_tokens=30, min_tokens=2, stop=["\n"], stop_token_ids=[7], ignore_eos=True, n=2, logprobs=3,
-        prompt_logprobs=0, seed=5, include_stop_str_in_output=True, skip_special_tokens=True,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        repetition_penalty=1.1,
+        max_tokens=30,
+        min_tokens=2,
+        stop=["\n"],
+        stop_token_ids=[7],
+        ignore_eos=True,
+        n=2,
+        logprobs=3,
+        prompt_logprobs=0,
+        seed=5,
+        include_stop_str_in_output=True,
+        skip_special_tokens=True,
     )
     params.logit_bias[9] = -1.0
-    call = vllm_wire.generate_call(vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1, 2]), sampling_params=params))
+    call = vllm_wire.generate_call(
+        vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[1, 2]), sampling_params=params)
+    )
     req = call.request
     assert (call.text, call.token_ids, call.stream, call.truncate_prompt_tokens) == (None, (1, 2), False, None)
-    assert (req.request_id, req.temperature, req.top_k, req.n, req.seed, req.logprobs, req.prompt_logprobs) == ("r", 1.0, 5, 2, 5, 3, 0)
+    assert (req.request_id, req.temperature, req.top_k, req.n, req.seed, req.logprobs, req.prompt_logprobs) == (
+        "r",
+        1.0,
+        5,
+        2,
+        5,
+        3,
+        0,
+    )
     assert (req.top_p, req.min_p, req.repetition_penalty) == pytest.approx((0.9, 0.1, 1.1))
     assert (req.frequency_penalty, req.presence_penalty) == (0.5, 0.25)
-    assert (req.max_tokens, req.min_tokens, req.stop, req.stop_token_ids, req.ignore_eos) == (30, 2, ("\n",), (7,), True)
+    assert (req.max_tokens, req.min_tokens, req.stop, req.stop_token_ids, req.ignore_eos) == (
+        30,
+        2,
+        ("\n",),
+        (7,),
+        True,
+    )
     assert req.include_stop_str_in_output and req.skip_special_tokens and req.logit_bias == ((9, -1.0),)
     unset = vllm_wire.generate_call(vpb.GenerateRequest(text="hi")).request
     assert (unset.temperature, unset.max_tokens, unset.seed, unset.logprobs) == (1.0, 0, None, None)  # vLLM's defaults

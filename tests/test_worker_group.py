@@ -56,8 +56,10 @@ def info(rank: int, **changes: object) -> WorkerInfo:
 
 
 async def test_every_rank_runs_the_step_and_rank_0_answers() -> None:
-    ranks = [FakeRank(f"r{i}", info(i, num_gpu_blocks=64 - i, num_cpu_blocks=8 + i), token=100 + i, delay=0.01 * i)
-             for i in range(3)]
+    ranks = [
+        FakeRank(f"r{i}", info(i, num_gpu_blocks=64 - i, num_cpu_blocks=8 + i), token=100 + i, delay=0.01 * i)
+        for i in range(3)
+    ]
     group = group_of(*ranks)
     merged = await group.connect(1.0)
     assert (merged.num_gpu_blocks, merged.num_cpu_blocks, merged.world_size) == (62, 8, 3)

@@ -11,6 +11,7 @@ Cache layout (docs/design.md section 2): k_cache, v_cache [num_blocks, block_siz
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,9 @@ def attend_prefills(
             blocks = block_tables[row, : -(-total // k_cache.shape[1])].long()
             ks = k_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, d]
             vs = v_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
-            mask = torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+            mask = (
+                torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
+            )
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
 
@@ -84,6 +87,29 @@ class PagedAttentionBackend:
         starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=starts[1:])
         return starts
+
+    def build_metadata(
+        self,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> Any:
+        """The step's attention inputs on the device, in this backend's own metadata type."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: Any,  # what build_metadata returned
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     @staticmethod
     def to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -141,11 +167,15 @@ class TorchPagedAttention(PagedAttentionBackend):
         self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
-            out.index_copy_(0, meta.decode_token_idx, self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta))
+            out.index_copy_(
+                0, meta.decode_token_idx, self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta)
+            )
         attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """One query per sequence, as two batched matmuls over the gathered context.
 
         Whole blocks are gathered with index_select (row copies), giving K and V as

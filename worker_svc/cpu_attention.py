@@ -80,7 +80,15 @@ class CpuPagedAttention(PagedAttentionBackend):
         out[meta.num_tokens :].zero_()  # padding rows: attended by no sequence
         if meta.any_decode:
             self.kernels.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.decode_lens, meta.seq_lens, self.scale, out
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start,
+                meta.decode_lens,
+                meta.seq_lens,
+                self.scale,
+                out,
             )
         attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
         return out

@@ -129,9 +129,13 @@ class DecodeGraphs:
     def run(self, staged: StagedDecode) -> torch.Tensor:
         """Replay the staged step's bucket; the hidden states of its real rows [n, hidden]."""
         b = staged.bucket
-        for buffer, values in ((self._ids, staged.input_ids), (self._positions, staged.positions),
-                               (self._slots, staged.slot_mapping), (self._tables, staged.block_tables),
-                               (self._seq_lens, staged.seq_lens)):
+        for buffer, values in (
+            (self._ids, staged.input_ids),
+            (self._positions, staged.positions),
+            (self._slots, staged.slot_mapping),
+            (self._tables, staged.block_tables),
+            (self._seq_lens, staged.seq_lens),
+        ):
             buffer[:b].copy_(torch.from_numpy(values), non_blocking=True)
         graph, hidden = self._graphs[b]
         graph.replay()

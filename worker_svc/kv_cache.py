@@ -65,7 +65,8 @@ class KVCache:
         self.pinned = device.type == "cuda" and num_cpu_blocks > 0
         host_layout = (num_cpu_blocks, *layout[1:])
         self.host_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self._host_empty(host_layout, dtype), self._host_empty(host_layout, dtype)) for _ in range(shape.num_layers)
+            (self._host_empty(host_layout, dtype), self._host_empty(host_layout, dtype))
+            for _ in range(shape.num_layers)
         ]
 
     @property
@@ -106,7 +107,9 @@ class KVCache:
                 if self.pinned:
                     # Gathered into pinned memory so the upload can run asynchronously; the
                     # caching host allocator keeps the buffer alive until the copy is done.
-                    rows = torch.index_select(host, 0, src, out=self._host_empty((len(pairs), *host.shape[1:]), host.dtype))
+                    rows = torch.index_select(
+                        host, 0, src, out=self._host_empty((len(pairs), *host.shape[1:]), host.dtype)
+                    )
                 else:
                     rows = host.index_select(0, src)
                 dev.index_copy_(0, dst, rows.to(self.device, non_blocking=self.pinned))

@@ -43,7 +43,9 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 def load_replicated(param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
     """The whole tensor, on every rank (norms, row-parallel biases)."""
     if loaded_shape(loaded) != tuple(param.shape):
-        raise ValueError(f"weight: checkpoint tensor has shape {loaded_shape(loaded)}, the model wants {tuple(param.shape)}")
+        raise ValueError(
+            f"weight: checkpoint tensor has shape {loaded_shape(loaded)}, the model wants {tuple(param.shape)}"
+        )
     copy_checked(param.data, loaded[:], "weight")
 
 
@@ -81,7 +83,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cpu is not None:
-            return self._cpu.rms_norm(x, self.weight, self.eps, residual)  # type: ignore[no-any-return]
+            return self._cpu.rms_norm(x, self.weight, self.eps, residual)
         if self.kernels == "triton":
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -99,7 +101,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu is not None:
-            return self._cpu.silu_and_mul(x)  # type: ignore[no-any-return]
+            return self._cpu.silu_and_mul(x)
         if self.kernels == "triton":
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

@@ -38,8 +38,9 @@ def process_logits(
         r, t, v = _ragged(batch.bias_offsets, batch.bias_token_ids, rows, batch.bias_values)
         if r.size:
             # index_put_ with accumulate: a token listed twice gets both biases.
-            out.index_put_((torch.from_numpy(r).to(dev), torch.from_numpy(t).to(dev)),
-                           torch.from_numpy(v).to(dev), accumulate=True)
+            out.index_put_(
+                (torch.from_numpy(r).to(dev), torch.from_numpy(t).to(dev)), torch.from_numpy(v).to(dev), accumulate=True
+            )
     if has_history:
         _penalize(out, batch, rows)
     return out

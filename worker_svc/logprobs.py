@@ -29,7 +29,7 @@ def logits_stats(logits: torch.Tensor, cpu_kernels: Any = None) -> tuple[torch.T
     logits and no log_softmax over them. `cpu_kernels` (kernels.cpu_ops) does it in one pass.
     """
     if cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
-        return cpu_kernels.logits_stats(logits)  # type: ignore[no-any-return]
+        return cpu_kernels.logits_stats(logits)
     wide = logits.float()
     return wide.argmax(dim=-1), torch.logsumexp(wide, dim=-1)
 
@@ -98,7 +98,8 @@ def prompt_logprobs(
     next_token (nothing when the chunk ends the prompt: what follows is output).
     """
     n = asked.shape[0]
-    rows, targets = [], []
+    rows: list[int] = []
+    targets: list[int] = []
     counts = np.zeros(n + 1, np.int32)
     for i in np.flatnonzero(asked >= 0):
         begin, end = int(starts[i]), int(starts[i + 1])
@@ -111,7 +112,12 @@ def prompt_logprobs(
     offsets = np.cumsum(counts, dtype=np.int32)
     width = int(asked.max()) if n else 0
     if not rows:
-        return offsets, np.zeros(0, np.float32), np.zeros((0, max(width, 0)), np.int32), np.zeros((0, max(width, 0)), np.float32)
+        return (
+            offsets,
+            np.zeros(0, np.float32),
+            np.zeros((0, max(width, 0)), np.int32),
+            np.zeros((0, max(width, 0)), np.float32),
+        )
     dev = hidden.device
     chosen = np.empty(len(rows), np.float32)
     top_ids = np.full((len(rows), max(width, 0)), -1, np.int32)

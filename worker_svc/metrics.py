@@ -21,18 +21,27 @@ class WorkerMetrics:
         values = (model_name, str(rank))
         r = self.registry
         self.execute = Histogram(
-            "llmserve_worker:step_execute_seconds", "Plan checks, block ops, forward and sampling, per step.",
-            labels, buckets=_SECONDS, registry=r,
+            "llmserve_worker:step_execute_seconds",
+            "Plan checks, block ops, forward and sampling, per step.",
+            labels,
+            buckets=_SECONDS,
+            registry=r,
         ).labels(*values)
         self.steps = Counter("llmserve_worker:steps", "Steps executed.", labels, registry=r).labels(*values)
-        self.tokens = Counter("llmserve_worker:input_tokens", "Tokens fed through the model.", labels, registry=r).labels(*values)
+        self.tokens = Counter(
+            "llmserve_worker:input_tokens", "Tokens fed through the model.", labels, registry=r
+        ).labels(*values)
         self.sampled = Counter("llmserve_worker:sampled_tokens", "Tokens sampled.", labels, registry=r).labels(*values)
         swapped = Counter(
             "llmserve_worker:block_ops", "KV blocks moved by plan operations.", [*labels, "op"], registry=r
         )
         self.block_ops = {op: swapped.labels(*values, op) for op in ("swap_out", "swap_in", "copy")}
-        self.gpu_blocks = Gauge("llmserve_worker:num_gpu_blocks", "Device KV blocks held.", labels, registry=r).labels(*values)
-        self.cpu_blocks = Gauge("llmserve_worker:num_cpu_blocks", "Host swap blocks held.", labels, registry=r).labels(*values)
+        self.gpu_blocks = Gauge("llmserve_worker:num_gpu_blocks", "Device KV blocks held.", labels, registry=r).labels(
+            *values
+        )
+        self.cpu_blocks = Gauge("llmserve_worker:num_cpu_blocks", "Host swap blocks held.", labels, registry=r).labels(
+            *values
+        )
         self.grpc = GrpcMetricsInterceptor(r)
 
     def observe(self, plan: StepPlan, seconds: float) -> None:

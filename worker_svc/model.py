@@ -130,16 +130,28 @@ class Attention(nn.Module):
         h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.qkv_proj = QKVParallelLinear(
-            shape.hidden_size, d, shape.total_num_heads, shape.total_num_kv_heads, group, bias=shape.qkv_bias, dtype=dtype
+            shape.hidden_size,
+            d,
+            shape.total_num_heads,
+            shape.total_num_kv_heads,
+            group,
+            bias=shape.qkv_bias,
+            dtype=dtype,
         )
-        self.o_proj = RowParallelLinear(shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias, dtype=dtype
+        )
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim], this rank's heads
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        q, k, v = qkv.split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
+        )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -152,7 +164,9 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape, kernels: str, group: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         inter = shape.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, inter, group, bias=shape.mlp_bias, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            shape.hidden_size, inter, group, bias=shape.mlp_bias, dtype=dtype
+        )
         self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias, dtype=dtype)
         self.act = SiluAndMul(kernels)
 
@@ -162,7 +176,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup,
+        self,
+        shape: ModelShape,
+        rotary: RotaryEmbedding,
+        backend: Backend,
+        kernels: str,
+        group: ParallelGroup,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
@@ -187,7 +206,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, kernels: str, group: ParallelGroup,
+        self,
+        shape: ModelShape,
+        rotary: RotaryEmbedding,
+        backend: Backend,
+        kernels: str,
+        group: ParallelGroup,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
@@ -222,7 +246,9 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}"
+            )
         shape = ModelShape.from_config(config, group.world_size)
         self.shape = shape
         self.group = group
@@ -236,8 +262,9 @@ class CausalLM(nn.Module):
         scale = shape.head_dim**-0.5
         self.attention: Backend
         if attention_backend == "cpu":
-            self.attention = CpuPagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale,
-                                               cpu_kernels_for("cpu"))
+            self.attention = CpuPagedAttention(
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, scale, cpu_kernels_for("cpu")
+            )
         else:
             backend_cls = TritonPagedAttention if attention_backend == "triton" else TorchPagedAttention
             self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
@@ -265,7 +292,8 @@ class CausalLM(nn.Module):
         """Hand every linear weight to oneDNN in its GEMM layout, once (CPU, bfloat16)."""
         for module in self.modules():
             pack = getattr(module, "pack_for_cpu", None)
-            if pack is not None and can_pack_for_cpu(module.weight):
+            weight = getattr(module, "weight", None)
+            if pack is not None and isinstance(weight, torch.Tensor) and can_pack_for_cpu(weight):
                 pack()
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -297,4 +325,6 @@ class CausalLM(nn.Module):
             loaded.add((name, shard or ""))
         missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            raise ValueError(
+                f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )

@@ -144,7 +144,9 @@ def split_problem(tp: int, num_heads: int, num_kv_heads: int, intermediate_size:
 
 def workable_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
     """Every group size that splits the model (always includes 1)."""
-    return [tp for tp in range(1, num_heads + 1) if split_problem(tp, num_heads, num_kv_heads, intermediate_size) is None]
+    return [
+        tp for tp in range(1, num_heads + 1) if split_problem(tp, num_heads, num_kv_heads, intermediate_size) is None
+    ]
 
 
 def check_splittable(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:

@@ -41,7 +41,11 @@ class Registrar:
     async def run(self) -> None:
         """Stay registered until cancelled; raises RegistrationRefused if the scheduler says no."""
         request = reg_pb.RegisterRequest(
-            address=self.address, group=self.group, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
+            address=self.address,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            model_name=self.model_name,
             block_size=self.block_size,
         )
         backoff = 0.5

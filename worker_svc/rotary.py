@@ -62,7 +62,9 @@ class RotaryEmbedding(nn.Module):
     """`lookup` once per step, `rotate` per layer; `kernels` "triton" or "cpu" rotates in place
     with our kernel."""
 
-    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, kernels: str = "torch") -> None:
+    def __init__(
+        self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, kernels: str = "torch"
+    ) -> None:
         super().__init__()
         self.fused = kernels != "torch"
         self._cpu = cpu_kernels_for(kernels)

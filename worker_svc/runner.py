@@ -22,9 +22,11 @@ from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.limits import max_tokens_per_step
 from worker_svc import host_memory, kv_cache
+from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.host_allocator import keep_freed_memory
 from worker_svc.host_copy import to_host
 from worker_svc.kv_cache import KVCache
+from worker_svc.layers import cpu_kernels_for
 from worker_svc.loader import (
     head_dim_of,
     load_config,
@@ -35,14 +37,12 @@ from worker_svc.loader import (
 )
 from worker_svc.logits_processor import process_logits, processed_rows
 from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
-from worker_svc.layers import cpu_kernels_for
 from worker_svc.parallel import SINGLE, ParallelGroup, bind_device
 from worker_svc.probe_plans import decode_step, heaviest_step
 from worker_svc.sampler import sample
-from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.step_buckets import gemm_buckets, graph_buckets, pad_rows
-from worker_svc.triton_attention import TritonAttentionMetadata
 from worker_svc.step_profile import StepProfile
+from worker_svc.triton_attention import TritonAttentionMetadata
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +88,9 @@ class ModelRunner:
                 f"--max-num-batched-tokens {config.max_num_batched_tokens} is above {self.step_token_limit}, the most "
                 f"tokens one step may carry through this model's Triton kernels (their int32 indices would wrap)"
             )
-        self.model = load_model(config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group)
+        self.model = load_model(
+            config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group
+        )
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
         # What the last step sampled, by sequence: the next plan's deferred inputs. The only
@@ -139,8 +141,12 @@ class ModelRunner:
 
     def _use_graphs(self) -> bool:
         # Profiling synchronizes the device at every part, which a capture cannot contain.
-        return (self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.enforce_eager
-                and not self.config.profile_steps)
+        return (
+            self.device.type == "cuda"
+            and self.attention_backend == "triton"
+            and not self.config.enforce_eager
+            and not self.config.profile_steps
+        )
 
     def _capture_graphs(self) -> DecodeGraphs:
         graphs = DecodeGraphs(
@@ -230,7 +236,9 @@ class ModelRunner:
         if plan.num_seqs == 0:
             return
         if self.step_token_limit is not None and plan.num_tokens > self.step_token_limit:
-            raise PlanError(f"{plan.num_tokens} tokens in one step, above the kernels' limit of {self.step_token_limit}")
+            raise PlanError(
+                f"{plan.num_tokens} tokens in one step, above the kernels' limit of {self.step_token_limit}"
+            )
         bt, bs = plan.block_tables, self.block_size
         ends = plan.context_lens.astype(np.int64) + plan.query_lens
         if int(plan.context_lens.min()) < 0 or int(ends.max()) > self.max_model_len:
@@ -242,8 +250,11 @@ class ModelRunner:
         if used.size and (int(used.min()) < 0 or int(used.max()) >= self.kv.num_blocks):
             raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
         vocab = self.shape.vocab_size
-        for name, ids in (("input_ids", plan.input_ids), ("sampling.bias_token_ids", plan.sampling.bias_token_ids),
-                          ("sampling.history_token_ids", plan.sampling.history_token_ids)):
+        for name, ids in (
+            ("input_ids", plan.input_ids),
+            ("sampling.bias_token_ids", plan.sampling.bias_token_ids),
+            ("sampling.history_token_ids", plan.sampling.history_token_ids),
+        ):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise PlanError(f"{name}: token id outside the vocabulary of {vocab}")
         nxt = plan.sampling.prompt_next_token
@@ -286,7 +297,11 @@ class ModelRunner:
         input_ids = plan.input_ids.astype(np.int64)
         if self._gemm_buckets is not None:
             rows = self._gemm_buckets.pad(plan.num_tokens)
-            input_ids, positions, slots = pad_rows(input_ids, rows, 0), pad_rows(positions, rows, 0), pad_rows(slots, rows, -1)
+            input_ids, positions, slots = (
+                pad_rows(input_ids, rows, 0),
+                pad_rows(positions, rows, 0),
+                pad_rows(slots, rows, -1),
+            )
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
         return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), meta, starts
 
@@ -318,7 +333,9 @@ class ModelRunner:
         for token_index, seq_id in zip(where.tolist(), plan.seq_ids[rows].tolist()):
             token = self._last_sampled.get(seq_id)
             if token is None:
-                raise PlanError(f"a deferred input for sequence {seq_id}, which this worker's previous step did not sample")
+                raise PlanError(
+                    f"a deferred input for sequence {seq_id}, which this worker's previous step did not sample"
+                )
             input_ids[token_index] = token
         return dataclasses.replace(plan, input_ids=input_ids)
 
@@ -355,7 +372,9 @@ class ModelRunner:
         if self._gemm_buckets is not None:
             last = pad_rows(last, self._gemm_buckets.pad(rows.size), 0)
         # [len(rows), vocab]
-        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(last).to(dev)), upcast=False)[: rows.size]
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(last).to(dev)), upcast=False)[
+            : rows.size
+        ]
         with self._section("sampling"):
             s = plan.sampling
             tokens, lse = self._sample(logits, s, rows)
@@ -363,15 +382,24 @@ class ModelRunner:
             host = to_host(tokens, chosen, top_values, top_indices)  # the step's only wait for the device
             sampled[rows] = host[0]
             self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
-            logprobs, top_ids, top_lps = logprob_arrays(*host[1:], rows, s.num_logprobs, plan.num_seqs)
+            logprobs, top_ids, top_lps = logprob_arrays(host[1], host[2], host[3], rows, s.num_logprobs, plan.num_seqs)
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
             fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
-            values = prompt_logprobs(self.model.compute_logits, hidden, starts, plan.input_ids, s.prompt_logprobs,
-                                     s.prompt_next_token)
+            values = prompt_logprobs(
+                self.model.compute_logits, hidden, starts, plan.input_ids, s.prompt_logprobs, s.prompt_next_token
+            )
             prompt = dict(zip(fields, values))
-        return StepResult(plan.step_id, sampled, time.perf_counter() - start, logprobs, top_ids, top_lps,
-                          part_seconds=self._parts(), **prompt)
+        return StepResult(
+            plan.step_id,
+            sampled,
+            time.perf_counter() - start,
+            logprobs,
+            top_ids,
+            top_lps,
+            part_seconds=self._parts(),
+            **prompt,
+        )
 
     def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""
@@ -387,8 +415,9 @@ class ModelRunner:
 
         processed = process_logits(logits.index_select(0, index).float(), s, sub)
         min_p = s.min_p[sub] if s.min_p.size else None
-        drawn = sample(processed, s.temperature[sub], s.top_p[sub], s.top_k[sub], s.seed[sub], s.output_position[sub],
-                       min_p)
+        drawn = sample(
+            processed, s.temperature[sub], s.top_p[sub], s.top_k[sub], s.seed[sub], s.output_position[sub], min_p
+        )
         return argmax.index_copy(0, index, drawn), lse
 
     def _parts(self) -> dict[str, float]:

@@ -75,7 +75,9 @@ class WorkerServer:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
         # Metrics listen on the same interface as the service (loopback for a unix socket).
         host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
         if self.metrics_port:
@@ -89,8 +91,11 @@ class WorkerServer:
         if self.registrar is not None:
             self._registration = asyncio.get_running_loop().create_task(self._stay_registered(self.registrar))
         log.info(
-            "worker_listening", address=self.address, port=self.port,
-            tls=tls_mode(self.tls), reflection=self.reflection,
+            "worker_listening",
+            address=self.address,
+            port=self.port,
+            tls=tls_mode(self.tls),
+            reflection=self.reflection,
         )
         return self.port
 

@@ -33,7 +33,9 @@ class _Received:
     decode_seconds: float
 
 
-async def _read_plans(request_iterator: AsyncIterator[worker_pb.StepPlan], out: asyncio.Queue[_Received | None]) -> None:
+async def _read_plans(
+    request_iterator: AsyncIterator[worker_pb.StepPlan], out: asyncio.Queue[_Received | None]
+) -> None:
     """Decode every plan of the stream into `out` as it arrives; None when the stream ends."""
     try:
         async for msg in request_iterator:
@@ -93,6 +95,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 failed: asyncio.Future[StepResult] = loop.create_future()
                 failed.set_exception(received.error)
                 return received, failed
+            if received.plan is None:  # an undecodable plan always carries its error
+                raise RuntimeError("a received plan with neither a plan nor an error")
             return received, loop.run_in_executor(self._executor, self._runner.execute, received.plan)
 
         running: tuple[_Received, asyncio.Future[StepResult]] | None = None
@@ -117,8 +121,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         # rank's device or kernels did and its peers wait for it in a collective
                         # it will never join: the group is broken for good and every later step
                         # would fail or hang. Exit, so the group's launcher ends the other ranks too.
-                        log.error("rank_failed", rank=group.rank, world_size=group.world_size,
-                                  step_id=msg.step_id, reason=str(error))
+                        log.error(
+                            "rank_failed",
+                            rank=group.rank,
+                            world_size=group.world_size,
+                            step_id=msg.step_id,
+                            reason=str(error),
+                        )
                         os._exit(3)
                     raise
                 ahead = not plans.empty()

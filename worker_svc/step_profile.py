@@ -32,7 +32,9 @@ FORWARD_PARTS = ("embed", "linear", "attention", "norm_act")
 
 class StepProfile:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self._sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._sync: Callable[[], None] = (
+            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        )
         self.parts: dict[str, float] = defaultdict(float)
         self._attach(model)
 
@@ -52,7 +54,7 @@ class StepProfile:
         for module in model.modules():
             part = self._category(module)
             if part is not None:
-                module.forward = self._timed(module.forward, part)  # type: ignore[method-assign]
+                module.forward = self._timed(module.forward, part)
         # Attention and rotary are called per layer but are not modules of their own.
         attention = getattr(model, "attention", None)
         if attention is not None:

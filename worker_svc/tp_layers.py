@@ -77,7 +77,9 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -111,7 +113,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def plain(
-        cls, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False, dtype: torch.dtype | None = None
+        cls,
+        in_features: int,
+        out_features: int,
+        group: ParallelGroup,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> ColumnParallelLinear:
         return cls(in_features, {"": _even(out_features, group, "output features")}, bias, dtype)
 
@@ -143,7 +150,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate_up_proj: [hidden] -> [gate_r | up_r], each of intermediate / tp."""
 
     def __init__(
-        self, in_features: int, intermediate_size: int, group: ParallelGroup, bias: bool = False,
+        self,
+        in_features: int,
+        intermediate_size: int,
+        group: ParallelGroup,
+        bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         shard = _even(intermediate_size, group, "an MLP intermediate size")
@@ -163,14 +174,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     """qkv_proj: [hidden] -> [q_r | k_r | v_r]; rank r's query heads and the KV heads they read."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, group: ParallelGroup, bias: bool = False,
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        group: ParallelGroup,
+        bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         d = head_dim
         q = _even(num_heads, group, "attention heads")
         kv_start, kv_count = kv_head_range(num_kv_heads, group)
         kv = Shard(kv_count * d, kv_start * d, num_kv_heads * d)
-        super().__init__(hidden_size, {"q": Shard(q.size * d, q.start * d, num_heads * d), "k": kv, "v": kv}, bias, dtype)
+        super().__init__(
+            hidden_size, {"q": Shard(q.size * d, q.start * d, num_heads * d), "k": kv, "v": kv}, bias, dtype
+        )
         self.num_heads, self.num_kv_heads = q.size, kv_count  # this rank's
 
 
@@ -178,7 +197,11 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T, + b once: x arrives split along its last dim."""
 
     def __init__(
-        self, in_features: int, out_features: int, group: ParallelGroup, bias: bool = False,
+        self,
+        in_features: int,
+        out_features: int,
+        group: ParallelGroup,
+        bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -194,7 +217,9 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
         shape = loaded_shape(loaded)
         if len(shape) != 2 or shape[1] != self.shard.total:
-            raise ValueError(f"weight: checkpoint tensor has shape {shape}, the model wants [{param.shape[0]}, {self.shard.total}]")
+            raise ValueError(
+                f"weight: checkpoint tensor has shape {shape}, the model wants [{param.shape[0]}, {self.shard.total}]"
+            )
         copy_checked(param.data, loaded[:, self.shard.start : self.shard.start + self.shard.size], "weight")
 
     def pack_for_cpu(self) -> None:
@@ -212,7 +237,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Each rank embeds the ids of its vocab range (others give 0); the all-reduce sums them."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, group: ParallelGroup, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
@@ -224,7 +251,9 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
         shape = loaded_shape(loaded)
         if shape != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"weight: checkpoint tensor has shape {shape}, the model wants {(self.vocab_size, param.shape[1])}")
+            raise ValueError(
+                f"weight: checkpoint tensor has shape {shape}, the model wants {(self.vocab_size, param.shape[1])}"
+            )
         start = min(self.shard.start, self.vocab_size)
         end = min(self.shard.start + self.shard.size, self.vocab_size)
         param.data[end - start :].zero_()
@@ -249,7 +278,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, group: ParallelGroup, tied: VocabParallelEmbedding | None = None,
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        group: ParallelGroup,
+        tied: VocabParallelEmbedding | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         if tied is None:
@@ -266,7 +299,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not self.tied:  # a tied weight still embeds the input ids
             _drop(self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the weight's dtype."""
         logits = _linear(hidden, self.weight, self.packed)  # [n, V' / tp]
         if self.group.world_size > 1:
