@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the lent H200 machine lacks (its image has torch, triton, transformers, grpcio,
+# Wheels a GPU machine without network access may lack (an image with torch, triton, transformers, grpcio,
 # protobuf and safetensors, but not our pinned grpc/protobuf, structlog or the test plugins),
 # downloaded here for CPython 3.12 / x86-64 into .whl/ (git-ignored through .git/info/exclude).
 #

@@ -1,4 +1,4 @@
-"""One command for a lent GPU: kernel tests on CUDA, then kernel and end-to-end benchmarks.
+"""One command for a GPU machine: kernel tests on CUDA, then kernel and end-to-end benchmarks.
 
     python benchmarks/gpu_check.py --out gpu_check.json          # on a CUDA machine, < 10 min
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke    # tiny shapes on CPU: checks the script
@@ -183,7 +183,7 @@ def make_model(directory: str, device: torch.device, smoke: bool) -> dict[str, A
 
 def _write_tokenizer(directory: str, vocab_size: int) -> None:
     """A word-level tokenizer with one word per id ("t0", "t1", ...): the services need a fast
-    tokenizer, and a lent device machine cannot download one."""
+    tokenizer, and a GPU machine without network access cannot download one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

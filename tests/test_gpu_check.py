@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py is ready for a lent GPU: it parses, refuses CPU without --smoke,
+"""benchmarks/gpu_check.py is ready for a GPU machine: it parses, refuses CPU without --smoke,
 and its whole measuring path runs end to end on tiny shapes (Triton interpreter here)."""
 
 from __future__ import annotations
