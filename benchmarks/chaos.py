@@ -41,7 +41,8 @@ from tqdm import tqdm
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
 
-from throughput import RESULTS_DIR, _free_port, _Server, _vocab_size, _wait_serving, machine, make_workload  # noqa: E402
+from recovery_bench import Cluster  # noqa: E402
+from throughput import RESULTS_DIR, _vocab_size, _wait_serving, machine, make_workload  # noqa: E402
 
 from common import log as logsetup  # noqa: E402
 
@@ -68,68 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Cluster:
-    """The scheduler and its registering workers, each restartable."""
+class ChaosCluster(Cluster):
+    """recovery_bench's cluster with small KV pools (so requests preempt), room for n = 2,
+    and the readings the soak checks."""
 
     def __init__(self, model: str, args: argparse.Namespace, logs: Path) -> None:
-        self.port, self.metrics_port = _free_port(), _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        cli = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning"]
-        self.scheduler = _Server(
-            [
-                *cli,
-                "scheduler",
-                "--model",
-                model,
-                "--port",
-                str(self.port),
-                "--metrics-port",
-                str(self.metrics_port),
-                "--worker-health-interval",
-                "1",
-                "--max-n",
-                "4",
-            ],
-            logs / "scheduler.log",
+        blocks = str(args.gpu_blocks)
+        super().__init__(
+            model,
+            logs,
+            args.workers,
+            scheduler_flags=("--max-n", "4"),
+            worker_flags=("--num-gpu-blocks", blocks, "--num-cpu-blocks", blocks),
         )
-        # Workers share the cores instead of each using all of them (torch's default).
-        threads = str(max(1, (os.cpu_count() or 2) // args.workers))
-        self.workers = [
-            _Server(
-                [
-                    *cli,
-                    "worker",
-                    "--model",
-                    model,
-                    "--listen",
-                    f"127.0.0.1:{_free_port()}",
-                    "--dtype",
-                    "float32",
-                    "--device",
-                    "cpu",
-                    "--num-gpu-blocks",
-                    str(args.gpu_blocks),
-                    "--num-cpu-blocks",
-                    str(args.gpu_blocks),
-                    "--scheduler",
-                    self.address,
-                ],
-                logs / f"worker-{i}.log",
-                env={**os.environ, "OMP_NUM_THREADS": threads},
-            )
-            for i in range(args.workers)
-        ]
-
-    def start(self) -> None:
-        for server in (self.scheduler, *self.workers):
-            server.start()
-
-    def stop(self) -> None:
-        for server in self.workers:
-            if server.proc is not None and server.proc.poll() is None:
-                os.kill(server.proc.pid, signal.SIGCONT)  # a frozen worker cannot act on SIGTERM
-        for server in (*self.workers, self.scheduler):
-            server.stop()
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's unlabelled-by-group gauges and counters, summed over label sets."""
@@ -153,7 +105,7 @@ class Cluster:
 class Chaos:
     """Disrupts one worker at a time: kill, freeze or stop it, then bring it back."""
 
-    def __init__(self, cluster: Cluster, rng: random.Random, interval: float) -> None:
+    def __init__(self, cluster: ChaosCluster, rng: random.Random, interval: float) -> None:
         self.cluster, self.rng, self.interval = cluster, rng, interval
         self.actions: collections.Counter[str] = collections.Counter()
 
@@ -259,7 +211,7 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
         }
         for i, (p, _) in enumerate(prompts)
     ]
-    cluster = Cluster(model, args, args.results_dir / f"chaos-{stamp}")
+    cluster = ChaosCluster(model, args, args.results_dir / f"chaos-{stamp}")
     cluster.start()
     rss: list[float] = []
     try:

@@ -49,10 +49,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class _Cluster:
-    """A scheduler and two registering workers, each a process of its own."""
+class Cluster:
+    """A scheduler and registering CPU workers (float32), each a process of its own."""
 
-    def __init__(self, model: str, logs: Path) -> None:
+    def __init__(
+        self,
+        model: str,
+        logs: Path,
+        workers: int = 2,
+        scheduler_flags: tuple[str, ...] = (),
+        worker_flags: tuple[str, ...] = (),
+    ) -> None:
         self.port, self.metrics_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{self.port}"
         cli = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning"]
@@ -68,12 +75,13 @@ class _Cluster:
                 str(self.metrics_port),
                 "--worker-health-interval",
                 "1",
+                *scheduler_flags,
             ],
             logs / "scheduler.log",
         )
-        # Two CPU workers on one machine split its cores rather than both using all of them
-        # (torch's default), which would make the two-group phase a contest for the cores.
-        threads = str(max(1, (os.cpu_count() or 2) // 2))
+        # CPU workers on one machine split its cores rather than each using all of them
+        # (torch's default), which would make the phases with several groups a contest.
+        threads = str(max(1, (os.cpu_count() or 2) // workers))
         self.workers = [
             _Server(
                 [
@@ -89,11 +97,12 @@ class _Cluster:
                     "cpu",
                     "--scheduler",
                     self.address,
+                    *worker_flags,
                 ],
                 logs / f"worker-{i}.log",
                 env={**os.environ, "OMP_NUM_THREADS": threads},
             )
-            for i in range(2)
+            for i in range(workers)
         ]
 
     def start(self) -> None:
@@ -101,6 +110,9 @@ class _Cluster:
             server.start()
 
     def stop(self) -> None:
+        for server in self.workers:
+            if server.proc is not None and server.proc.poll() is None:
+                os.kill(server.proc.pid, signal.SIGCONT)  # a frozen worker cannot act on SIGTERM
         for server in (*self.workers, self.scheduler):
             server.stop()
 
@@ -172,7 +184,7 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
     num, max_tokens = (4, 24) if args.quick else (args.num_requests, args.max_tokens)
     workload = [(prompt, max_tokens) for prompt, _ in make_workload(num, args.seed, _vocab_size(Path(model)))]
     total = num * max_tokens
-    cluster = _Cluster(model, args.results_dir / f"recovery-{stamp}")
+    cluster = Cluster(model, args.results_dir / f"recovery-{stamp}")
     cluster.start()
     try:
         await _wait_serving(cluster.address, cluster.scheduler)
