@@ -635,9 +635,9 @@ def _check_tp(model: str, tp: int) -> None:
     check_splittable(tp, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]))
 
 
-def _run_rank_group(a: argparse.Namespace, model: str) -> None:
+def _run_rank_launcher(a: argparse.Namespace, model: str) -> None:
     """`worker --tp N`: start the N ranks, end them all when one ends (or on SIGTERM)."""
-    from llmserve.rank_group import RankGroup
+    from llmserve.rank_launcher import RankLauncher
 
     _check_tp(model, a.tp)
     cmd = _worker_args(a, model)
@@ -656,7 +656,7 @@ def _run_rank_group(a: argparse.Namespace, model: str) -> None:
     if a.scheduler:
         # Every rank registers itself; the group is named after rank 0's address.
         cmd += ["--scheduler", a.scheduler, "--group", a.advertise or a.listen]
-    group = RankGroup(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise)
+    group = RankLauncher(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise)
     stopping = {"now": False}
 
     def request_stop(*_: object) -> None:
@@ -674,7 +674,7 @@ def cmd_worker(a: argparse.Namespace) -> None:
     if a.parent_pid is not None:
         exit_with_parent(a.parent_pid)
     if a.tp > 1 and a.rank is None:
-        _run_rank_group(a, _model_dir(a.model))
+        _run_rank_launcher(a, _model_dir(a.model))
         return
     tls = _tls_config(a)
     model = _model_dir(a.model)
@@ -818,7 +818,7 @@ def cmd_up(a: argparse.Namespace) -> None:
             [*_worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
         )
         if a.tp > 1:
-            from llmserve.rank_group import rank_addresses
+            from llmserve.rank_launcher import rank_addresses
 
             address = ",".join(rank_addresses(address, a.tp))
         addresses.append(address)

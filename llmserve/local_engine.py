@@ -27,14 +27,14 @@ from common.errors import InvalidArgument, LlmserveError, Unimplemented
 from common.model_spec import ModelSpec
 from llmserve import cli
 from llmserve.engine_args import EngineArgs
-from llmserve.rank_group import rank_addresses
+from llmserve.rank_launcher import rank_addresses
 from llmserve.supervisor import Supervised
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
+from scheduler_svc.rank_links import RankLinks
 from scheduler_svc.request import GenerationRequest, RequestOutput
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient, WorkerLink
-from scheduler_svc.worker_group import WorkerGroup
 
 log = structlog.get_logger("llmserve")
 
@@ -104,7 +104,7 @@ class LocalEngine:
             worker.start()
             self.workers.append(worker)
             ranks = rank_addresses(address, a.tp)
-            links.append(WorkerGroup(ranks) if a.tp > 1 else WorkerClient(address))
+            links.append(RankLinks(ranks) if a.tp > 1 else WorkerClient(address))
         self._engine = Engine(
             ModelSpec.from_dir(args.model), self.tokenizer, args.scheduler, links, chat_template=self.chat_template
         )

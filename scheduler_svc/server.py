@@ -22,12 +22,12 @@ from scheduler_svc import tgis_servicer, vllm_servicer
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.rank_links import RankLinks
 from scheduler_svc.registry import Registry
 from scheduler_svc.registry_servicer import RegistryServicer
 from scheduler_svc.servicer import GenerationServicer
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerClient
-from scheduler_svc.worker_group import WorkerGroup
 
 log = structlog.get_logger(__name__)
 
@@ -141,9 +141,9 @@ class SchedulerServer:
 
 def _worker(
     address: str, step_timeout: float, tls: TlsClientConfig | None, health_interval: float
-) -> WorkerClient | WorkerGroup:
+) -> WorkerClient | RankLinks:
     """One worker, or the ranks of a tensor-parallel group given as a comma-separated list."""
     addresses = [a.strip() for a in address.split(",") if a.strip()]
     if len(addresses) > 1:
-        return WorkerGroup(addresses, step_timeout, tls, health_interval)
+        return RankLinks(addresses, step_timeout, tls, health_interval)
     return WorkerClient(address, step_timeout, tls, health_interval)

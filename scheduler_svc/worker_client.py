@@ -30,7 +30,7 @@ CHANNEL_OPTIONS = [
 
 
 class WorkerLink(Protocol):
-    """What the engine drives: one worker, or the ranks of a group (`WorkerGroup`)."""
+    """What the engine drives: one worker, or the ranks of a group (`RankLinks`)."""
 
     address: str
 

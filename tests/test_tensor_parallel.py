@@ -138,7 +138,7 @@ def _rank_main(rank: int, init_method: str, tasks: list[Any], results: Any) -> N
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-class RankGroup:
+class RankLauncher:
     def __init__(self, tmp: Path) -> None:
         ctx = mp.get_context("spawn")
         with socket.socket() as s:
@@ -175,13 +175,13 @@ class RankGroup:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankGroup]:
-    group = RankGroup(tmp_path_factory.mktemp("tp"))
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankLauncher]:
+    group = RankLauncher(tmp_path_factory.mktemp("tp"))
     yield group
     group.close()
 
 
-def test_collectives_on_subgroups(ranks: RankGroup) -> None:
+def test_collectives_on_subgroups(ranks: RankLauncher) -> None:
     for tp in (2, 4):
         got = ranks.run("", tp, 0)
         n = tp * (tp + 1) / 2
@@ -191,7 +191,7 @@ def test_collectives_on_subgroups(ranks: RankGroup) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_single_process(ranks: RankGroup, tmp_path: Path, case: str) -> None:
+def test_logits_equal_single_process(ranks: RankLauncher, tmp_path: Path, case: str) -> None:
     model_dir = save_checkpoint(tmp_path, case)
     vocab = (BASE | CASES[case][2])["vocab_size"]
     want = run_steps(str(model_dir), ParallelGroup(), vocab)

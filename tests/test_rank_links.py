@@ -11,8 +11,8 @@ import pytest
 
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
+from scheduler_svc.rank_links import RankLinks
 from scheduler_svc.worker_client import StepTiming, WorkerLost
-from scheduler_svc.worker_group import WorkerGroup
 from tests.plans import Feed, make_plan
 
 INFO = WorkerInfo("m", 100, 512, "float32", "cpu", 0, 3, 16, 64, 8)
@@ -45,8 +45,8 @@ def decode_plan(step_id: int) -> StepPlan:
     return make_plan(step_id, [Feed(i, [5], context_len=3, block_table=[i]) for i in range(2)])
 
 
-def group_of(*ranks: FakeRank) -> WorkerGroup:
-    group = WorkerGroup([r.address for r in ranks])
+def group_of(*ranks: FakeRank) -> RankLinks:
+    group = RankLinks([r.address for r in ranks])
     group.ranks = list(ranks)  # type: ignore[assignment]
     return group
 

@@ -39,7 +39,7 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
-class RankGroup:
+class RankLauncher:
     def __init__(
         self, rank_cmd: list[str], listen: str, world_size: int, metrics_port: int = 0, advertise: str = ""
     ) -> None:

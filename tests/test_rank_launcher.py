@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.rank_group import RankGroup, rank_addresses
+from llmserve.rank_launcher import RankLauncher, rank_addresses
 from worker_svc.server import rank_device
 
 
@@ -17,14 +17,14 @@ def test_rank_addresses_follow_the_listen_address() -> None:
 
 
 def test_each_rank_gets_its_flags_and_its_own_metrics_port() -> None:
-    group = RankGroup(["llmserve", "worker"], "127.0.0.1:50052", 2, metrics_port=9100)
+    group = RankLauncher(["llmserve", "worker"], "127.0.0.1:50052", 2, metrics_port=9100)
     for rank, cmd in enumerate(group.commands):
         flags = dict(zip(cmd[2::2], cmd[3::2]))
         assert flags["--rank"] == str(rank) and flags["--world-size"] == "2"
         assert flags["--listen"] == f"127.0.0.1:{50052 + rank}" and flags["--metrics-port"] == str(9100 + rank)
         assert flags["--dist-init"] == group.init_method
     with pytest.raises(ValueError, match="gRPC ports"):
-        RankGroup(["llmserve", "worker"], "127.0.0.1:50052", 2, metrics_port=50053)
+        RankLauncher(["llmserve", "worker"], "127.0.0.1:50052", 2, metrics_port=50053)
 
 
 def test_rank_device_offsets_from_the_named_gpu() -> None:

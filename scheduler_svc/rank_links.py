@@ -1,4 +1,10 @@
-"""The ranks of one tensor-parallel worker group, driven in lockstep.
+"""The scheduler's links to the ranks of one tensor-parallel worker group, driven in lockstep.
+
+Names, as the code uses them: a *sequence group* is one request's samples; a *worker group*
+(`Replica`) is what one block manager serves, one worker or the ranks here; `RankLinks` are
+the scheduler's connections to those ranks; `llmserve.rank_launcher.RankLauncher` starts
+their processes; `worker_svc.parallel.ParallelGroup` is the torch.distributed group the ranks
+compute in.
 
 Every rank holds a slice of the weights and of the KV heads, so every rank must run every
 step: the identical plan goes to all of them (encoded once), their collectives meet inside
@@ -27,7 +33,7 @@ from scheduler_svc.worker_client import StepTiming, WorkerClient, WorkerLost
 T = TypeVar("T")
 
 
-class WorkerGroup:
+class RankLinks:
     def __init__(
         self,
         addresses: list[str],
