@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from common.config import CacheConfig, WorkerConfig
 from tests.conftest import KERNEL_DEVICE
@@ -62,6 +71,8 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    # Per-head q/k RMSNorm, and a head size that is not hidden / heads.
+    "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
 }
 
 BLOCK = 8
@@ -75,11 +86,14 @@ def build(
         extra = extra | {"head_dim": 64}  # the C++ attention kernel's smallest head
     torch.manual_seed(0)
     ref = model_cls(config_cls(**(BASE | extra))).float().eval()
-    # Biases start at zero; give them values so a dropped bias shows.
+    # Biases start at zero and norm weights at one; give them values so a dropped or
+    # misplaced one shows.
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.1)
     ref.save_pretrained(str(tmp_path))
     device = KERNEL_DEVICE if backend == "triton" else "cpu"
     runner = ModelRunner(
@@ -95,7 +109,7 @@ def build(
 
 
 # The Triton path runs under the interpreter on CPU (slow), so it covers a subset of configs.
-TRITON_CASES = ["llama-gqa-untied", "llama-mqa-headdim", "llama3-rope", "qwen2-qkv-bias"]
+TRITON_CASES = ["llama-gqa-untied", "llama-mqa-headdim", "llama3-rope", "qwen2-qkv-bias", "qwen3-qk-norm"]
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from common.config import CacheConfig, WorkerConfig
 from tests.plans import Feed, make_plan
@@ -58,6 +58,7 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         dict(num_key_value_heads=1, vocab_size=509, tie_word_embeddings=True),
     ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24, tie_word_embeddings=False)),
 }
 STEPS = [  # (seq, start, count) fed per step, as in test_model_forward
     [(0, 0, 13), (1, 0, 7)],
@@ -77,6 +78,8 @@ def save_checkpoint(path: Path, case: str) -> Path:
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):  # a per-head norm weight sliced by rank must show
+                p.normal_(1, 0.1)
     ref.save_pretrained(str(path))
     return path
 
@@ -138,7 +141,7 @@ def _rank_main(rank: int, init_method: str, tasks: list[Any], results: Any) -> N
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-class RankLauncher:
+class SpawnedRanks:
     def __init__(self, tmp: Path) -> None:
         ctx = mp.get_context("spawn")
         with socket.socket() as s:
@@ -175,13 +178,13 @@ class RankLauncher:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankLauncher]:
-    group = RankLauncher(tmp_path_factory.mktemp("tp"))
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpawnedRanks]:
+    group = SpawnedRanks(tmp_path_factory.mktemp("tp"))
     yield group
     group.close()
 
 
-def test_collectives_on_subgroups(ranks: RankLauncher) -> None:
+def test_collectives_on_subgroups(ranks: SpawnedRanks) -> None:
     for tp in (2, 4):
         got = ranks.run("", tp, 0)
         n = tp * (tp + 1) / 2
@@ -191,7 +194,7 @@ def test_collectives_on_subgroups(ranks: RankLauncher) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_single_process(ranks: RankLauncher, tmp_path: Path, case: str) -> None:
+def test_logits_equal_single_process(ranks: SpawnedRanks, tmp_path: Path, case: str) -> None:
     model_dir = save_checkpoint(tmp_path, case)
     vocab = (BASE | CASES[case][2])["vocab_size"]
     want = run_steps(str(model_dir), ParallelGroup(), vocab)

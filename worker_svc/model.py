@@ -1,4 +1,4 @@
-"""A Llama-family decoder over the paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""A Llama-family decoder over the paged KV cache (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 Written to read like the reference: per layer, x -> RMSNorm -> attention -> + x -> RMSNorm
 -> SwiGLU MLP -> + x. Tokens of every sequence of the step are flattened into one batch
@@ -35,7 +35,7 @@ Backend = PagedAttentionBackend
 # Metadata of whichever backend built it; layers pass it through untouched.
 AttentionMetadata = Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Checkpoint tensors that fill one fused parameter: (fused name, checkpoint name, shard id).
 _FUSED = (
@@ -71,6 +71,7 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation (Qwen3)
     tp_size: int = 1
     total_num_heads: int = 0  # 0: same as num_heads
     total_num_kv_heads: int = 0  # 0: same as num_kv_heads
@@ -92,6 +93,8 @@ class ModelShape:
         if arch == "MistralForCausalLM" and getattr(text, "sliding_window", None) not in (None, 0):
             if text.sliding_window < text.max_position_embeddings:
                 raise ValueError("Mistral with a sliding window shorter than the context is not supported")
+        if arch == "Qwen3ForCausalLM" and getattr(text, "use_sliding_window", False):
+            raise ValueError("Qwen3 with use_sliding_window is not supported")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -114,6 +117,7 @@ class ModelShape:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tp_size=tp_size,
             total_num_heads=heads,
             total_num_kv_heads=kv_heads,
@@ -124,7 +128,13 @@ class Attention(nn.Module):
     """This rank's heads: qkv_proj yields its query heads and their KV heads, o_proj sums the ranks."""
 
     def __init__(
-        self, shape: ModelShape, rotary: RotaryEmbedding, backend: Backend, group: ParallelGroup, dtype: torch.dtype
+        self,
+        shape: ModelShape,
+        rotary: RotaryEmbedding,
+        backend: Backend,
+        group: ParallelGroup,
+        dtype: torch.dtype,
+        kernels: str = "torch",
     ) -> None:
         super().__init__()
         h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -143,6 +153,10 @@ class Attention(nn.Module):
         )
         self.rotary = rotary
         self.backend = backend
+        # Qwen3: RMSNorm over each head's query and key before the rotation; one weight of
+        # head_dim shared by every head, so every rank holds all of it.
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps, kernels, dtype) if shape.qk_norm else None
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps, kernels, dtype) if shape.qk_norm else None
 
     def forward(
         self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -155,6 +169,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary.rotate(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads, head_dim]
         return self.o_proj(out.reshape(t, -1))
@@ -186,7 +203,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
-        self.self_attn = Attention(shape, rotary, backend, group, dtype)
+        self.self_attn = Attention(shape, rotary, backend, group, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
         self.mlp = MLP(shape, kernels, group, dtype)
 
