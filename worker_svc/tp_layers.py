@@ -33,6 +33,7 @@ embedding's, which a tied LM head shares).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -69,8 +70,20 @@ _PACK_BATCH_HINT = 64
 
 
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold this weight packed: a bfloat16 CPU weight, with oneDNN built in."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can hold this weight packed: a bfloat16 CPU weight, on a CPU whose
+    instructions oneDNN's bfloat16 GEMMs need (AVX-512 or AVX-NE-CONVERT)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:  # oneDNN refuses, with a RuntimeError, on CPUs without those instructions
+        _pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
