@@ -2,7 +2,11 @@
 
 load_kv_tile   tokens `tok` of one sequence, one KV head, found through the block table:
                slot of token t = table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
-attend_tile    one online-softmax step (running max m, running sum l, unnormalised acc)
+attend_tile    one online-softmax step (running max m, running sum l, unnormalised acc), with
+               the scores soft-capped first when SOFTCAP (Gemma 2: softcap * tanh(s / softcap))
+
+Sliding windows are the callers' business: they start the key loop at the window and mask
+the keys each row can no longer see.
 """
 
 from __future__ import annotations
@@ -46,8 +50,19 @@ def load_kv_tile(
 
 
 @triton.jit
-def attend_tile(q, k, v, visible, m, l, acc, scale, DOT_PRECISION: tl.constexpr):
+def soft_cap(s, softcap):
+    """softcap * tanh(s / softcap), tanh from one exp of a non-positive number (no overflow)."""
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def attend_tile(q, k, v, visible, m, l, acc, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [ROWS, TILE] float32
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     # Rows with nothing visible yet keep max = -inf; shift them by 0 so exp gives 0, not NaN.

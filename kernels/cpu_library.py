@@ -50,6 +50,8 @@ SIGNATURES: dict[str, list[type]] = {
         c_int,
         c_int,
         c_float,
+        c_int,  # window
+        c_float,  # softcap
         _P,
         c_int64,
         c_int,

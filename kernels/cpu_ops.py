@@ -63,13 +63,17 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # int32 [seqs]: tokens in the cache after this step
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of each sequence's last q_len positions, read from the paged cache.
 
         Sequence i's queries are rows query_start[i] .. query_start[i] + query_lens[i] - 1 of q,
         at positions seq_lens[i] - query_lens[i] .. seq_lens[i] - 1: any mix of decodes, prefill
         chunks and prefix-cache hits. Rows of skipped sequences are left as they are in `out`.
-        head_dim one of ATTENTION_HEAD_DIMS; any block size.
+        head_dim one of ATTENTION_HEAD_DIMS; any block size. `window` > 0: a query sees only
+        its last `window` positions (itself included); `softcap` > 0: scores (after `scale`)
+        become softcap * tanh(score / softcap).
         """
         dtype = q.dtype
         tokens, num_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
@@ -115,6 +119,8 @@ class CpuKernels:
                 head_dim,
                 k_cache.shape[1],
                 scale,
+                window,
+                softcap,
                 out.data_ptr(),
                 out.stride(0),
                 torch.get_num_threads(),

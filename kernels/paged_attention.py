@@ -69,6 +69,8 @@ def _decode_partial_kernel(
     max_ptr,
     sum_ptr,
     scale,
+    softcap,
+    window,
     tokens_per_split,
     stride_qs,
     stride_qh,
@@ -89,6 +91,7 @@ def _decode_partial_kernel(
     TILE: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # int64 from the start: seq * stride_qs and the [S, H, P, D] workspace index pass 2^31 for
     # big batches of wide models; the per-sequence values below stay int32.
@@ -98,6 +101,9 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    # A sliding window (window > 0) hides the keys before the last `window`; a split wholly
+    # before them is empty like one past the end.
+    start = tl.maximum(start, tl.where(window > 0, seq_len - window, 0))
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -137,7 +143,9 @@ def _decode_partial_kernel(
             BLOCK_SIZE=BLOCK_SIZE,
             NATIVE_DOT=NATIVE_DOT,
         )
-        m, l, acc = attend_tile(q, k, v, t_mask[None, :], m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
+        m, l, acc = attend_tile(
+            q, k, v, t_mask[None, :], m, l, acc, scale, softcap, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP
+        )
 
     part = (seq * num_heads + heads) * num_splits + split  # [GROUP_PAD] index into [S, H, P]
     tl.store(max_ptr + part, m, mask=g_mask)
@@ -205,12 +213,15 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim].
 
     Sequence i attends to its seq_lens[i] cached tokens (this step's included), found through
-    block_tables[i] (int32 [num_seqs, max_blocks_per_seq]). `num_splits` overrides the split
-    heuristic (tests use it to force empty splits).
+    block_tables[i] (int32 [num_seqs, max_blocks_per_seq]); with `window` > 0 to its last
+    `window` of them only. `softcap` > 0 caps the scores (after `scale`) at +-softcap with
+    tanh. `num_splits` overrides the split heuristic (tests use it to force empty splits).
     """
     num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, _, head_dim = q.shape
@@ -240,6 +251,8 @@ def paged_decode_attention(
         maxes,
         sums,
         scale,
+        softcap or 1.0,
+        window,
         per_split,
         q.stride(0),
         q.stride(1),
@@ -260,6 +273,7 @@ def paged_decode_attention(
         TILE=launch.keys,
         NATIVE_DOT=native_dot(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap > 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -286,6 +300,8 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """float32 reference: gather each sequence's tokens and attend with plain softmax."""
     num_seqs, num_heads, head_dim = q.shape
@@ -299,5 +315,9 @@ def paged_decode_attention_reference(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, heads, d]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window:
+            scores[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
     return out

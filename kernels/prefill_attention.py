@@ -6,6 +6,7 @@ the last q_len_i of its seq_lens[i] tokens (its KV, this step's included, is in 
     positions   0 ............ ctx-1 | ctx ........ seq_len-1      ctx = seq_len - q_len
                 cached earlier       | this step's queries
     query r (position ctx + r) attends to positions 0 .. ctx + r
+    (with a sliding window of W > 0: to positions ctx + r - W + 1 .. ctx + r)
 
 That one rule serves a fresh prompt (ctx = 0), a later chunk of a long prompt, a prompt whose
 prefix came from the prefix cache, and decode (q_len = 1).
@@ -72,6 +73,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scale,
+    softcap,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -92,6 +95,7 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -134,11 +138,13 @@ def _prefill_kernel(
     # Keys up to the last valid row's position; nothing at all when this tile is empty.
     last_row = tl.minimum(row0 + TILE_M, q_len) - 1
     kv_end = tl.where(row0 < q_len, ctx + last_row + 1, 0)
+    # From the first key the tile's first row still sees through its window (0 without one).
+    kv_begin = tl.where(window > 0, tl.maximum(ctx + row0 - window + 1, 0), 0)
 
     m = tl.full([TILE_M], float("-inf"), tl.float32)
     l = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, kv_end, TILE_N):
+    for start in range(kv_begin, kv_end, TILE_N):
         tok = start + offs_n
         t_mask = tok < kv_end
         k, v = load_kv_tile(
@@ -160,7 +166,11 @@ def _prefill_kernel(
             NATIVE_DOT=NATIVE_DOT,
         )
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
-        m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, DOT_PRECISION=DOT_PRECISION)
+        if window > 0:
+            visible = visible & (q_pos[:, None] - tok[None, :] < window)
+        m, l, acc = attend_tile(
+            q, k, v, visible, m, l, acc, scale, softcap, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP
+        )
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
@@ -179,8 +189,13 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring)."""
+    """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring).
+
+    `window` > 0: each query sees its last `window` positions; `softcap` > 0: scores (after
+    `scale`) become softcap * tanh(score / softcap)."""
     num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     total, _, head_dim = q.shape
     num_seqs = block_tables.shape[0]
@@ -200,6 +215,8 @@ def paged_prefill_attention(
         seq_lens,
         out,
         scale,
+        softcap or 1.0,
+        window,
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -220,6 +237,7 @@ def paged_prefill_attention(
         TILE_N=launch.keys,
         NATIVE_DOT=native_dot(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap > 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -234,8 +252,10 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """float32 reference with an explicit causal mask per sequence."""
+    """float32 reference with an explicit causal (and sliding-window) mask per sequence."""
     total, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(total, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -258,8 +278,13 @@ def paged_prefill_attention_reference(
             .repeat_interleave(num_heads // num_kv_heads, 1)
         )
         pos = torch.arange(n - (b - a), n, device=q.device)
-        visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]  # [q, n]
+        keys = torch.arange(n, device=q.device)
+        visible = keys[None, :] <= pos[:, None]  # [q, n]
+        if window:
+            visible &= pos[:, None] - keys[None, :] < window
         scores = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out[a:b] = torch.einsum("hqn,nhd->qhd", torch.softmax(scores, dim=-1), v)
     return out

@@ -92,7 +92,7 @@ def signature(
             sig[p] = "*fp32"
         elif p.endswith("_ptr"):
             sig[p] = f"*{dtype}"
-        elif p in ("scale", "eps"):
+        elif p in ("scale", "eps", "softcap"):
             sig[p] = "fp32"
         else:
             sig[p] = "i32"  # what Triton specialises a Python int below 2^31 to
@@ -111,7 +111,9 @@ def compile_case(case: Case) -> triton.compiler.CompiledKernel:
     return triton.compile(source, target=TARGET, options=options)
 
 
-def attention_cases(head_dim: int, dtype: str, block_size: int = 16, group: int = 4) -> list[Case]:
+def attention_cases(
+    head_dim: int, dtype: str, block_size: int = 16, group: int = 4, softcap: bool = False
+) -> list[Case]:
     """The decode, merge and prefill launches of one layer shape, as the wrappers choose them."""
     torch_dtype = TORCH_DTYPES[dtype]
     native = dtype != "fp32"
@@ -121,6 +123,7 @@ def attention_cases(head_dim: int, dtype: str, block_size: int = 16, group: int 
         BLOCK_SIZE=block_size,
         NATIVE_DOT=native,
         DOT_PRECISION=dot_precision(torch_dtype),
+        SOFTCAP=softcap,
     )
     dec = decode_launch(head_dim, torch_dtype, group, on_gpu=True)
     pre = prefill_launch(head_dim, torch_dtype, on_gpu=True)

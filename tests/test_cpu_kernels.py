@@ -91,6 +91,33 @@ def test_paged_attention_mixed_batch(k: CpuKernels, dtype: torch.dtype, heads: i
     torch.testing.assert_close(out.float(), ref, atol=_attention_tolerance(dtype), rtol=_attention_tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(13, 0.0), (0, 1.5), (21, 1.5), (1, 0.0)])
+def test_paged_attention_sliding_window_and_softcap(
+    k: CpuKernels, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    # Windows that start mid-block and mid-chunk, shorter and longer than the query chunks.
+    q, kc, vc, tables, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, 8, 2, 64, 16, dtype, seed=2)
+    q.mul_(3)  # scores large enough for the cap to bite
+    out = k.paged_attention(
+        q,
+        kc,
+        vc,
+        tables,
+        starts[:-1].contiguous(),
+        torch.tensor(MIXED_Q, dtype=torch.int32),
+        seq_lens,
+        0.125,
+        window=window,
+        softcap=softcap,
+    )
+    ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125, window, softcap)
+    plain = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
+    assert (ref - plain).abs().max() > 0.05
+    tol = _attention_tolerance(dtype)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("head_dim", ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_attention_head_and_block_sizes(k: CpuKernels, head_dim: int, block_size: int) -> None:

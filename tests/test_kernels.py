@@ -129,6 +129,48 @@ def test_prefill_attention(case: tuple[torch.dtype, tuple[int, int], int, int]) 
     assert_close(paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, scale), want, dtype)
 
 
+# Sliding windows shorter than the sequences and not multiples of the block size (so a
+# window starts mid-block), soft-capping at a cap the random scores pass, and both together.
+WINDOW_SOFTCAP = [(13, 0.0), (0, 1.5), (21, 1.5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+def test_decode_attention_sliding_window_and_softcap(dtype: torch.dtype, window: int, softcap: float) -> None:
+    lens = [1, 12, 13, 14, 16, 17, 90]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_width=1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = (3 * torch.randn(len(lens), 8, 64)).to(dtype).to(DEVICE)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125, window, softcap)
+    plain = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert (want - plain).abs().max() > 0.05  # the window and the cap change the result
+    for splits in (None, 7):  # 7: splits wholly before the window are empty
+        got = paged_decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=splits, window=window, softcap=softcap
+        )
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
+def test_prefill_attention_sliding_window_and_softcap(dtype: torch.dtype, window: int, softcap: float) -> None:
+    # A fresh prompt longer than the window, a chunk whose context the window partly covers,
+    # a decode, a long chunk far past its window.
+    pairs = [(0, 37), (19, 20), (50, 1), (70, 90)]
+    lens = [c + n for c, n in pairs]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_width=1)
+    starts = torch.zeros(len(pairs) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor([n for _, n in pairs]).cumsum(0)
+    q = (3 * torch.randn(int(starts[-1]), 8, 64)).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    starts = starts.to(DEVICE)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window, softcap)
+    plain = paged_prefill_attention_reference(q, k_cache, v_cache, tables, starts, seq_lens, 0.125)
+    assert (want - plain).abs().max() > 0.05
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window=window, softcap=softcap)
+    assert_close(got, want, dtype)
+
+
 def test_prefill_kernel_equals_decode_kernel_on_single_tokens() -> None:
     lens = [5, 17, 33]
     k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, torch.float32)

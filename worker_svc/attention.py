@@ -2,8 +2,11 @@
 
 A backend is two calls:
   `build_metadata(...)`  once per step, from the plan's arrays (host work, index tensors);
-  `forward(q, k, v, k_cache, v_cache, meta)`  per layer: store this step's K/V into the paged
-      cache, then attend each query token to its sequence's cached tokens, causally.
+  `forward(q, k, v, k_cache, v_cache, meta, window, softcap)`  per layer: store this step's K/V
+      into the paged cache, then attend each query token to its sequence's cached tokens,
+      causally; with `window` > 0 only to its last `window` positions (itself included, as
+      transformers' sliding-window mask: key position > query position - window), with
+      `softcap` > 0 to scores capped as softcap * tanh(score / softcap) (Gemma 2).
 
 Cache layout (docs/design.md section 2): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim].
 """
@@ -29,6 +32,7 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
     decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
     decode_padding: torch.Tensor  # bool [decodes, 1, width_d * block_size], True past seq_len
+    decode_seq_lens: torch.Tensor  # int64 [decodes, 1, 1] tokens in the cache after this step
     # (first token, query length, context length, row) of every other sequence.
     prefills: tuple[tuple[int, int, int, int], ...]
     store_all: bool  # no slot is -1
@@ -44,12 +48,15 @@ def attend_prefills(
     prefills: tuple[tuple[int, int, int, int], ...],  # (first token, query length, context length, row)
     scale: float,
     out: torch.Tensor,  # [tokens, heads, head_dim], written at each prefill's rows
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each multi-token query with torch's SDPA (flash attention on CPU).
 
     A fresh prompt attends to its own contiguous K/V; a query with cached context before it
     (a later chunk, a prefix-cache hit) gathers its blocks and masks: query i sits at position
-    ctx + i and sees positions 0 .. ctx + i.
+    ctx + i and sees positions 0 .. ctx + i (from ctx + i - window + 1 with a window).
+    Soft-capped scores cannot go through SDPA: those are computed in float32 here.
     """
     kvh, d = k.shape[1], k.shape[2]
     for start, q_len, ctx, row in prefills:
@@ -57,17 +64,34 @@ def attend_prefills(
         if ctx == 0:
             ks = k[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
             vs = v[start : start + q_len].transpose(0, 1).unsqueeze(0)
+        else:
+            blocks = block_tables[row, : -(-(ctx + q_len) // k_cache.shape[1])].long()
+            ks = k_cache[blocks].view(-1, kvh, d)[: ctx + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, all, d]
+            vs = v_cache[blocks].view(-1, kvh, d)[: ctx + q_len].transpose(0, 1).unsqueeze(0)
+        if ctx == 0 and not window and not softcap:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            total = ctx + q_len
-            blocks = block_tables[row, : -(-total // k_cache.shape[1])].long()
-            ks = k_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, total, d]
-            vs = v_cache[blocks].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
-            mask = (
-                torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(q_len, device=q.device))[:, None]
-            )
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            positions = torch.arange(ctx + q_len, device=q.device)
+            behind = positions[ctx:, None] - positions[None, :]  # [q_len, all]: how far each key is
+            mask = (behind >= 0) & (behind < window) if window else behind >= 0
+            if softcap:
+                o = _softcapped_attention(qs, ks, vs, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """[1, heads, q, d] x [1, kv_heads, n, d] -> [1, heads, q, d], scores capped with tanh."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, 1)
+    v = v.float().repeat_interleave(group, 1)
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
 class PagedAttentionBackend:
@@ -108,6 +132,8 @@ class PagedAttentionBackend:
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: Any,  # what build_metadata returned
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -151,6 +177,7 @@ class TorchPagedAttention(PagedAttentionBackend):
             # padding (-1) becomes block 0: gathered, then masked out by decode_padding
             decode_block_tables=t(np.maximum(block_tables[rows, :width_d], 0), torch.int64),
             decode_padding=t(padding[:, None, :], torch.bool),
+            decode_seq_lens=t(seq_lens[rows].reshape(-1, 1, 1), torch.int64),
             prefills=prefills,
             store_all=bool((slot_mapping >= 0).all()),
         )
@@ -163,18 +190,36 @@ class TorchPagedAttention(PagedAttentionBackend):
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
-            out.index_copy_(
-                0, meta.decode_token_idx, self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta)
-            )
-        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
+            hidden = meta.decode_padding
+            if window:
+                keys = torch.arange(hidden.shape[-1], device=hidden.device)
+                hidden = hidden | (keys <= meta.decode_seq_lens - 1 - window)
+            decoded = self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta, hidden, softcap)
+            out.index_copy_(0, meta.decode_token_idx, decoded)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out, window, softcap)
         return out
 
+    def _scores(self, scores: torch.Tensor, hidden: torch.Tensor, softcap: float) -> torch.Tensor:
+        """float32 scores, scaled, capped and with the hidden keys at -inf."""
+        scores = scores.float() * self.scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        return scores.masked_fill_(hidden, float("-inf"))
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,  # bool [b, 1, L]: keys past the end or out of the window
+        softcap: float,
     ) -> torch.Tensor:
         """One query per sequence, as two batched matmuls over the gathered context.
 
@@ -197,17 +242,16 @@ class TorchPagedAttention(PagedAttentionBackend):
         keys = k_cache.index_select(0, flat).view(b, -1, kvh * d)  # [b, L, kv_heads * d]
         values = v_cache.index_select(0, flat).view(b, -1, kvh * d)
         if kvh > _BLOCK_DIAGONAL_MAX_KV_HEADS:
-            return self._decode_per_head(q, keys, values, meta)
+            return self._decode_per_head(q, keys, values, hidden, softcap)
         eye = torch.eye(kvh, dtype=q.dtype, device=q.device).view(1, kvh, 1, kvh, 1)
         spread = (q.view(b, kvh, group, 1, d) * eye).view(b, self.num_heads, kvh * d)
-        scores = torch.bmm(spread, keys.transpose(1, 2)).float() * self.scale  # [b, heads, L]
-        scores.masked_fill_(meta.decode_padding, float("-inf"))
+        scores = self._scores(torch.bmm(spread, keys.transpose(1, 2)), hidden, softcap)  # [b, heads, L]
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         wide = torch.bmm(probs, values).view(b, kvh, group, kvh, d)
         return torch.diagonal(wide, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, self.num_heads, d)
 
     def _decode_per_head(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, softcap: float
     ) -> torch.Tensor:
         b = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
@@ -215,8 +259,7 @@ class TorchPagedAttention(PagedAttentionBackend):
         out = torch.empty_like(qg)
         for h in range(kvh):
             k_h = keys[:, :, h * d : (h + 1) * d]  # [b, L, d]
-            scores = torch.bmm(qg[:, h], k_h.transpose(1, 2)).float() * self.scale  # [b, group, L]
-            scores.masked_fill_(meta.decode_padding, float("-inf"))
+            scores = self._scores(torch.bmm(qg[:, h], k_h.transpose(1, 2)), hidden, softcap)  # [b, group, L]
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             out[:, h] = torch.bmm(probs, values[:, :, h * d : (h + 1) * d])
         return out.view(b, self.num_heads, d)

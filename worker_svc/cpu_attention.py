@@ -73,6 +73,8 @@ class CpuPagedAttention(PagedAttentionBackend):
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: CpuAttentionMetadata,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # The runner checked the plan's block tables against the cache (ModelRunner.check).
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, bounds_checked=True)
@@ -89,6 +91,8 @@ class CpuPagedAttention(PagedAttentionBackend):
                 meta.seq_lens,
                 self.scale,
                 out,
+                window,
+                softcap,
             )
-        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out, window, softcap)
         return out

@@ -61,10 +61,22 @@ class TritonPagedAttention(PagedAttentionBackend):
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, window=window, softcap=softcap
+            )
         return paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            window=window,
+            softcap=softcap,
         )

@@ -46,6 +46,8 @@ struct Shape {
   int num_kv_heads, group, block_size;
   int64_t q_stride, out_stride;
   float scale;
+  int window;     // a query sees its last `window` positions (itself included); 0: all before it
+  float softcap;  // scores become softcap * tanh(score / softcap); 0: as they are
 };
 
 // Scores of GB query heads (q: GB consecutive heads of one row) against 16 keys of one KV
@@ -109,10 +111,12 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   const T* kbase[CHUNK];  // this chunk's cache rows, at the item's first KV head
   const T* vbase[CHUNK];
   const T* kj[CHUNK];  // the same rows at one KV head
-  // Row r sees keys [0, context + row_begin + r]; the tile's last row sees the most.
+  // Row r sees keys [first_key(r), context + row_begin + r]; the tile's last row sees the
+  // most, its first row the earliest.
+  auto first_key = [&](int r) { return sh.window > 0 ? std::max(0, context + it.row_begin + r + 1 - sh.window) : 0; };
   const int num_keys = context + it.row_end;
   const int64_t item_bytes = static_cast<int64_t>(heads) * HD * sizeof(T);  // of one cache row
-  for (int c0 = 0; c0 < num_keys; c0 += CHUNK) {
+  for (int c0 = first_key(0); c0 < num_keys; c0 += CHUNK) {
     const int n = std::min(CHUNK, num_keys - c0);
     for (int j = 0; j < CHUNK; ++j) {
       // Lanes past the last key repeat it: read, then masked out.
@@ -133,8 +137,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
       }
     }
     for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, context + it.row_begin + r + 1 - c0);  // keys of the chunk row r sees
-      if (visible <= 0) continue;
+      // Row r sees lanes [skip, visible) of the chunk.
+      const int visible = std::min(n, context + it.row_begin + r + 1 - c0);
+      const int skip = std::max(0, first_key(r) - c0);
+      if (visible <= skip) continue;
       const T* qrow = q + static_cast<int64_t>(q_start + it.row_begin + r) * sh.q_stride + first_q_head * HD;
       for (int kv = 0; kv < heads; ++kv) {
         for (int j = 0; j < CHUNK; ++j) kj[j] = kbase[j] + kv * HD;
@@ -146,7 +152,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           float p[GB][CHUNK];
           float correction[GB];
           for (int g = 0; g < GB; ++g) {
-            const V16 sv = vkeep(scores[g], visible, -INFINITY);
+            if (sh.softcap > 0.0f) scores[g] = vset(sh.softcap) * vtanh(scores[g] * vset(1.0f / sh.softcap));
+            const V16 sv = vkeep(scores[g], skip, visible, -INFINITY);
             const float m_new = std::max(m[i0 + g], vmaxall(sv));
             correction[g] = std::exp(m[i0 + g] - m_new);  // exp(-inf) = 0 on the first chunk
             const V16 pv = vexp(sv - vset(m_new));
@@ -157,7 +164,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           V16 a[GB][DV];
           for (int g = 0; g < GB; ++g)
             for (int c = 0; c < DV; ++c) a[g][c] = vload(acc + (i0 + g) * HD + 16 * c) * vset(correction[g]);
-          for (int j = 0; j < visible; ++j) {
+          for (int j = skip; j < visible; ++j) {
             const T* vrow = vbase[j] + kv * HD;
             for (int c = 0; c < DV; ++c) {
               const V16 v = vload(vrow + 16 * c);
@@ -217,8 +224,9 @@ template <typename T>
 int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                     int64_t table_stride, const int32_t* query_start, const int32_t* query_lens,
                     const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                    int block_size, float scale, T* out, int64_t out_stride, int num_threads) {
-  const Shape sh{num_kv_heads, num_heads / num_kv_heads, block_size, q_stride, out_stride, scale};
+                    int block_size, float scale, int window, float softcap, T* out, int64_t out_stride,
+                    int num_threads) {
+  const Shape sh{num_kv_heads, num_heads / num_kv_heads, block_size, q_stride, out_stride, scale, window, softcap};
   const AttendFn fn = pick<T>(head_dim, sh.group);
   if (fn == nullptr) return -1;
   int tiles = 0;

@@ -114,6 +114,11 @@ template <> inline V16 vround<bf16>(V16 a) {
 
 // Lanes at or past n become `fill`.
 inline V16 vkeep(V16 a, int n, float fill) { return {_mm512_mask_blend_ps(tail_mask(n), _mm512_set1_ps(fill), a.v)}; }
+// Lanes outside [lo, hi) become `fill`.
+inline V16 vkeep(V16 a, int lo, int hi, float fill) {
+  const __mmask16 keep = static_cast<__mmask16>(tail_mask(hi) & ~tail_mask(lo > 0 ? lo : 0));
+  return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), a.v)};
+}
 
 // 1 / a to within 2 ulp of float: a 14-bit estimate refined by one Newton step, several times
 // the throughput of a division. 1 / inf = 0 and 1 / 0 = inf, as a division gives them (the
@@ -182,10 +187,19 @@ template <typename T> inline void vstore(T* p, V16 a, int n = 16) {
 }
 template <typename T> inline V16 vround(V16 a) { LLMSERVE_LANES(round_to<T>(a.v[i])); }
 inline V16 vkeep(V16 a, int n, float fill) { LLMSERVE_LANES(i < n ? a.v[i] : fill); }
+inline V16 vkeep(V16 a, int lo, int hi, float fill) { LLMSERVE_LANES(i >= lo && i < hi ? a.v[i] : fill); }
 inline V16 vrcp(V16 a) { LLMSERVE_LANES(1.0f / a.v[i]); }
 inline V16 vexp(V16 x) { LLMSERVE_LANES(x.v[i] < -87.3f ? 0.0f : std::exp(x.v[i])); }
 
 #undef LLMSERVE_LANES
 #endif
+
+// tanh lane by lane: only soft-capped attention (Gemma 2) pays for it.
+inline V16 vtanh(V16 a) {
+  float t[16];
+  vstore(t, a);
+  for (int i = 0; i < 16; ++i) t[i] = std::tanh(t[i]);
+  return vload(t);
+}
 
 }  // namespace llmserve
