@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -55,14 +56,19 @@ def smollm2_dir() -> Path:
     return prepare_default_model(cache_root())
 
 
-def make_tiny_model(out: Path, tokenizer_from: Path, **overrides: object) -> Path:
-    """A random-weight Llama with SmolLM2's tokenizer: fast, and real files end to end.
+def make_tiny_model(
+    out: Path, tokenizer_from: Path, config_cls: Any = None, model_cls: Any = None, **overrides: object
+) -> Path:
+    """A random-weight Llama (or the family `config_cls` / `model_cls` name) with SmolLM2's
+    tokenizer: fast, and real files end to end.
 
     initializer_range is large so the logits are peaked: greedy choices then do not hinge on
     rounding, and different computation orders (recompute vs decode) agree.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    config_cls, model_cls = config_cls or LlamaConfig, model_cls or LlamaForCausalLM
 
     params: dict[str, object] = dict(
         vocab_size=49152,
@@ -79,7 +85,7 @@ def make_tiny_model(out: Path, tokenizer_from: Path, **overrides: object) -> Pat
     )
     params.update(overrides)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**params)).float()
+    model = model_cls(config_cls(**params)).float()
     model.save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, out / name)

@@ -19,7 +19,7 @@ from tests.conftest import skip_without_cuda
 from tests.plans import Feed, make_plan
 from worker_svc import wire as worker_wire
 from worker_svc.kv_cache import GIB, KVCache
-from worker_svc.model import ModelShape
+from worker_svc.models.shape import ModelShape
 from worker_svc.runner import ModelRunner, PlanError
 
 BLOCK = 8

@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from common.plan import StepPlan, StepResult
 from scheduler_svc import wire as scheduler_wire
 from tests.plans import Feed, make_plan
-from worker_svc.model import CausalLM
+from worker_svc.models.registry import build_model
 from worker_svc.parallel import ParallelGroup, init_group
 from worker_svc.rotary import RotaryEmbedding
 from worker_svc.runner import PlanError
@@ -77,9 +77,9 @@ def test_rotary_tables_are_made_on_the_device_the_model_is_built_on(rope: str) -
 @pytest.mark.parametrize("rope", SCALED)
 def test_a_scaled_rope_model_is_built_wholly_on_its_device(rope: str) -> None:
     with torch.device("meta"):
-        model = CausalLM(tiny_config(rope), torch.bfloat16)
+        model = build_model(tiny_config(rope), torch.bfloat16)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    assert {"rotary.cos", "rotary.sin", "lm_head.weight"} <= tensors.keys()
+    assert {"rotaries.default.cos", "rotaries.default.sin", "lm_head.weight"} <= tensors.keys()
     assert {name: (t.device.type, t.dtype) for name, t in tensors.items() if t.device.type != "meta"} == {}
     assert {name: t.dtype for name, t in tensors.items() if t.dtype != torch.bfloat16} == {}
 
@@ -283,15 +283,18 @@ class Allocations(TorchDispatchMode):
 def test_a_bfloat16_model_never_holds_a_float32_weight(tied: bool, group: ParallelGroup) -> None:
     config = tiny_config(tie_word_embeddings=tied, attention_bias=True, mlp_bias=True)
     with torch.device("meta"), Allocations("meta") as allocations:
-        model = CausalLM(config, torch.bfloat16, group=group)
+        model = build_model(config, torch.bfloat16, group=group)
     assert {dtype for dtype, _ in allocations.made} == {torch.bfloat16}
     # Nothing but the weights, once, and the rotary tables: 2 bytes a parameter at the peak.
     weights = sum(p.numel() for p in model.parameters())  # a tied head counts once
-    tables = sum(t.numel() * t.element_size() for t in (model.rotary.cos, model.rotary.sin))
+    tables = sum(
+        t.numel() * t.element_size()
+        for t in (r for rotary in model.rotaries.values() for r in (rotary.cos, rotary.sin))
+    )
     assert sum(size for _, size in allocations.made) == 2 * weights + tables
 
 
 def test_a_float32_model_is_float32_throughout() -> None:
-    model = CausalLM(tiny_config(), torch.float32)
+    model = build_model(tiny_config(), torch.float32)
     tensors = list(model.parameters()) + list(model.buffers())
     assert {(t.device.type, t.dtype) for t in tensors} == {("cpu", torch.float32)}

@@ -14,6 +14,10 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -73,6 +77,49 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
     # Per-head q/k RMSNorm, and a head size that is not hidden / heads.
     "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
+    # Sliding windows shorter than every prompt and not a multiple of the block size (8): on
+    # every layer (Mistral), on the layers past max_window_layers (Qwen2, Qwen3).
+    "mistral-sliding-window": (MistralConfig, MistralForCausalLM, dict(sliding_window=6)),
+    "qwen2-sliding-window": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
+    "qwen3-sliding-window": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(head_dim=32, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
+    # Sandwich norms, (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar, a sliding
+    # layer then a global one, attention and final soft-capping low enough to bite.
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=0.8,
+            final_logit_softcapping=0.5,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Gemma 3: q/k norms, and the sliding layers rotate with a base of their own while the
+    # global ones use linear scaling.
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 
 BLOCK = 8
@@ -109,7 +156,16 @@ def build(
 
 
 # The Triton path runs under the interpreter on CPU (slow), so it covers a subset of configs.
-TRITON_CASES = ["llama-gqa-untied", "llama-mqa-headdim", "llama3-rope", "qwen2-qkv-bias", "qwen3-qk-norm"]
+TRITON_CASES = [
+    "llama-gqa-untied",
+    "llama-mqa-headdim",
+    "llama3-rope",
+    "qwen2-qkv-bias",
+    "qwen3-qk-norm",
+    "mistral-sliding-window",
+    "gemma2",
+    "gemma3",
+]
 
 
 @pytest.mark.parametrize(
@@ -192,3 +248,32 @@ def test_missing_weights_are_refused(tmp_path: Path) -> None:
         ModelRunner(
             WorkerConfig(model=str(tmp_path), dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=4))
         )
+
+
+# What each family case turns off to lose its feature: the comparison above at 1e-4 means
+# something only if the feature moves the logits by far more than that.
+FEATURE_OFF: dict[str, dict[str, Any]] = {
+    "mistral-sliding-window": dict(sliding_window=None),
+    "qwen2-sliding-window": dict(use_sliding_window=False),
+    "qwen3-sliding-window": dict(use_sliding_window=False),
+    "gemma2": dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+    "gemma3": dict(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        }
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FEATURE_OFF))
+def test_the_family_features_move_the_reference_logits(case: str) -> None:
+    config_cls, model_cls, extra = CASES[case]
+    ids = torch.randint(0, BASE["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for overrides in ({}, FEATURE_OFF[case]):
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**(BASE | extra | overrides))).float().eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert (logits[0] - logits[1]).abs().max() > 1e-2

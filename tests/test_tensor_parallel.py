@@ -22,12 +22,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from common.config import CacheConfig, WorkerConfig
 from tests.plans import Feed, make_plan
 from worker_svc import loader
-from worker_svc.model import CausalLM, ModelShape
+from worker_svc.models.registry import build_model, model_shape
 from worker_svc.parallel import ParallelGroup
 
 WORLD = 4
@@ -59,6 +72,17 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24, tie_word_embeddings=False)),
+    "mistral-sliding-window": (MistralConfig, MistralForCausalLM, dict(sliding_window=6)),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=0.8),
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 STEPS = [  # (seq, start, count) fed per step, as in test_model_forward
     [(0, 0, 13), (1, 0, 7)],
@@ -232,7 +256,7 @@ def test_each_rank_loads_only_its_slice(tmp_path: Path, rank: int) -> None:
     save_file(full, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
 
     group = ParallelGroup(rank, 4)
-    model = CausalLM(loader.load_config(model_dir), torch.float32, group=group)
+    model = build_model(loader.load_config(model_dir), torch.float32, group=group)
     reads: dict[str, int] = {}
     model.load_weights((n, RecordingSlice(s, reads, n)) for n, s in loader.iter_weights(model_dir))
 
@@ -287,7 +311,7 @@ def test_each_rank_loads_only_its_slice(tmp_path: Path, rank: int) -> None:
 
 def test_tied_head_shares_the_embedding_shard(tmp_path: Path) -> None:
     model_dir = save_checkpoint(tmp_path, "kv4-tied")
-    model = CausalLM(loader.load_config(model_dir), torch.float32, group=ParallelGroup(1, 2))
+    model = build_model(loader.load_config(model_dir), torch.float32, group=ParallelGroup(1, 2))
     model.load_weights(loader.iter_weights(model_dir))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert tuple(model.lm_head.weight.shape) == (256, 64)
@@ -323,12 +347,12 @@ def smollm2_like(**overrides: int) -> LlamaConfig:
 )
 def test_unsplittable_sizes_are_refused(config: LlamaConfig, tp: int, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{message}$"):
-        ModelShape.from_config(config, tp)
+        model_shape(config, tp)
     with pytest.raises(ValueError, match=message):
-        CausalLM(config, torch.float32, group=ParallelGroup(0, tp))
+        build_model(config, torch.float32, group=ParallelGroup(0, tp))
 
 
 def test_splittable_smollm2_shape_is_per_rank() -> None:
-    shape = ModelShape.from_config(smollm2_like(), 3)
+    shape = model_shape(smollm2_like(), 3)
     assert (shape.num_heads, shape.num_kv_heads, shape.total_num_heads, shape.total_num_kv_heads) == (3, 1, 9, 3)
     assert shape.vocab_size == 49152 and shape.intermediate_size == 1536  # the checkpoint's

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.plan import I32
-from worker_svc.model import ModelShape
+from worker_svc.models.shape import ModelShape
 
 GIB = 1024**3
 

@@ -68,13 +68,28 @@ class RMSNorm(nn.Module):
     interface (the CPU one writes the sum into `residual` itself).
     """
 
-    def __init__(self, hidden_size: int, eps: float, kernels: str = "torch", dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        kernels: str = "torch",
+        dtype: torch.dtype | None = None,
+        offset: float = 0.0,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.kernels = kernels
+        self.offset = offset
         self._cpu = cpu_kernels_for(kernels)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = load_replicated  # type: ignore[attr-defined]
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+        """The checkpoint's weight, plus `offset` where the family stores w - 1 (Gemma's (1 + w)):
+        every kernel then multiplies by the weight as it is."""
+        load_replicated(param, loaded, shard_id)
+        if self.offset:
+            param.data.add_(self.offset)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from worker_svc.layers import Loaded
-from worker_svc.model import CausalLM
+from worker_svc.models.decoder import CausalLM
+from worker_svc.models.registry import build_model
 from worker_svc.parallel import SINGLE, ParallelGroup
 
 log = structlog.get_logger(__name__)
@@ -122,7 +123,7 @@ def load_model(
     """This rank's shard of the model (the whole model for a group of one)."""
     config = load_config(model_dir)
     with torch.device(device):
-        model = CausalLM(config, dtype, max_positions, attention_backend, group)
+        model = build_model(config, dtype, max_positions, attention_backend, group)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     if attention_backend == "cpu":

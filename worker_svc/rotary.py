@@ -23,15 +23,17 @@ from kernels.rotary import apply_rotary
 from worker_svc.layers import cpu_kernels_for
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of the config, or of one kind of layer where the config keeps a set
+    per kind (Gemma 3: {"sliding_attention": ..., "full_attention": ...})."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = dict(params[layer_type] if layer_type is not None else params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
 
 
-def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """float32 frequencies [head_dim / 2] on the CPU, and the attention factor.
 
     The CPU even under another device context: transformers' rope functions make some
@@ -39,11 +41,11 @@ def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float
     choice would mix devices.
     """
     with torch.device("cpu"):
-        return _inverse_frequencies(config, head_dim)
+        return _inverse_frequencies(config, head_dim, layer_type)
 
 
-def _inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
+def _inverse_frequencies(config: Any, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
@@ -54,7 +56,8 @@ def _inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, floa
         raise ValueError("rope_type 'dynamic' is not supported; use a fixed scaling such as 'linear' or 'yarn'")
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}")
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     return inv_freq.float(), float(attention_factor)
 
 
@@ -63,12 +66,18 @@ class RotaryEmbedding(nn.Module):
     with our kernel."""
 
     def __init__(
-        self, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, kernels: str = "torch"
+        self,
+        config: Any,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype,
+        kernels: str = "torch",
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
         self.fused = kernels != "torch"
         self._cpu = cpu_kernels_for(kernels)
-        inv_freq, factor = inverse_frequencies(config, head_dim)
+        inv_freq, factor = inverse_frequencies(config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         self.cos: torch.Tensor

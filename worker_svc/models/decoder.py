@@ -1,23 +1,27 @@
-"""A Llama-family decoder over the paged KV cache (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""The layers every family is made of, over the paged KV cache.
 
 Written to read like the reference: per layer, x -> RMSNorm -> attention -> + x -> RMSNorm
--> SwiGLU MLP -> + x. Tokens of every sequence of the step are flattened into one batch
-([tokens, hidden]); the attention backend is the only place that knows about sequences.
+-> gated MLP -> + x (with `sandwich_norms`, Gemma's: the attention's and the MLP's outputs are
+normed again before they join the residual). Tokens of every sequence of the step are
+flattened into one batch ([tokens, hidden]); the attention backend is the only place that
+knows about sequences. What differs between families is in `ModelShape` (see shape.py) and,
+where a family's layer is built differently, in its own module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
 from worker_svc.cpu_attention import CpuPagedAttention
 from worker_svc.layers import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
-from worker_svc.parallel import SINGLE, ParallelGroup, check_splittable
+from worker_svc.models.shape import DEFAULT_ROPE, ModelShape, text_config
+from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.rotary import RotaryEmbedding
 from worker_svc.tp_layers import (
     MergedColumnParallelLinear,
@@ -26,7 +30,6 @@ from worker_svc.tp_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     can_pack_for_cpu,
-    kv_head_range,
 )
 from worker_svc.triton_attention import TritonPagedAttention
 
@@ -34,8 +37,6 @@ ATTENTION_BACKENDS = KERNELS
 Backend = PagedAttentionBackend
 # Metadata of whichever backend built it; layers pass it through untouched.
 AttentionMetadata = Any
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Checkpoint tensors that fill one fused parameter: (fused name, checkpoint name, shard id).
 _FUSED = (
@@ -47,81 +48,8 @@ _FUSED = (
 )
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers that define the network, read once from the HF config.
-
-    Under tensor parallelism (`tp_size` > 1) `num_heads` and `num_kv_heads` are this rank's
-    share, because that is what the KV cache and the attention backends hold and compute;
-    `total_num_heads` / `total_num_kv_heads` are the checkpoint's. Every other number is
-    the checkpoint's: each TP layer divides its own widths (vocab, intermediate size).
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation (Qwen3)
-    tp_size: int = 1
-    total_num_heads: int = 0  # 0: same as num_heads
-    total_num_kv_heads: int = 0  # 0: same as num_kv_heads
-
-    def __post_init__(self) -> None:
-        if not self.total_num_heads:
-            object.__setattr__(self, "total_num_heads", self.num_heads)
-        if not self.total_num_kv_heads:
-            object.__setattr__(self, "total_num_kv_heads", self.num_kv_heads)
-
-    @classmethod
-    def from_config(cls, config: Any, tp_size: int = 1) -> ModelShape:
-        """The shape one rank of a group of `tp_size` sees; refuses a size the model cannot split."""
-        archs = getattr(config, "architectures", None) or []
-        arch = archs[0] if archs else "LlamaForCausalLM"
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if arch == "MistralForCausalLM" and getattr(text, "sliding_window", None) not in (None, 0):
-            if text.sliding_window < text.max_position_embeddings:
-                raise ValueError("Mistral with a sliding window shorter than the context is not supported")
-        if arch == "Qwen3ForCausalLM" and getattr(text, "use_sliding_window", False):
-            raise ValueError("Qwen3 with use_sliding_window is not supported")
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        check_splittable(tp_size, heads, kv_heads, text.intermediate_size)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = bool(getattr(text, "attention_bias", False))
-        return cls(
-            architecture=arch,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_layers=text.num_hidden_layers,
-            num_heads=heads // tp_size,
-            num_kv_heads=kv_head_range(kv_heads, ParallelGroup(0, tp_size))[1],
-            head_dim=head_dim,
-            rms_norm_eps=text.rms_norm_eps,
-            max_position_embeddings=text.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 has biases on q, k, v only; Llama's attention_bias covers o_proj as well.
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(text, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            tp_size=tp_size,
-            total_num_heads=heads,
-            total_num_kv_heads=kv_heads,
-        )
+def norm(shape: ModelShape, width: int, kernels: str, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(width, shape.rms_norm_eps, kernels, dtype, offset=shape.norm_offset)
 
 
 class Attention(nn.Module):
@@ -130,7 +58,7 @@ class Attention(nn.Module):
     def __init__(
         self,
         shape: ModelShape,
-        rotary: RotaryEmbedding,
+        layer: int,
         backend: Backend,
         group: ParallelGroup,
         dtype: torch.dtype,
@@ -151,15 +79,21 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             shape.total_num_heads * d, shape.hidden_size, group, bias=shape.o_bias, dtype=dtype
         )
-        self.rotary = rotary
         self.backend = backend
-        # Qwen3: RMSNorm over each head's query and key before the rotation; one weight of
-        # head_dim shared by every head, so every rank holds all of it.
-        self.q_norm = RMSNorm(d, shape.rms_norm_eps, kernels, dtype) if shape.qk_norm else None
-        self.k_norm = RMSNorm(d, shape.rms_norm_eps, kernels, dtype) if shape.qk_norm else None
+        self.window = shape.window(layer)
+        self.softcap = shape.attn_softcap
+        # Qwen3 and Gemma 3: RMSNorm over each head's query and key before the rotation; one
+        # weight of head_dim shared by every head, so every rank holds all of it.
+        self.q_norm = norm(shape, d, kernels, dtype) if shape.qk_norm else None
+        self.k_norm = norm(shape, d, kernels, dtype) if shape.qk_norm else None
 
     def forward(
-        self, rope: Any, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        rotary: RotaryEmbedding,
+        rope: Any,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 * kv_heads) * head_dim], this rank's heads
@@ -172,9 +106,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary.rotate(rope, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [tokens, heads, head_dim]
-        return self.o_proj(out.reshape(t, -1))
+        q, k = rotary.rotate(rope, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.softcap)
+        return self.o_proj(out.reshape(t, -1))  # out: [tokens, heads, head_dim]
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: gelu(gate) (tanh approximation) * up, Gemma's feed-forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class MLP(nn.Module):
@@ -185,30 +127,33 @@ class MLP(nn.Module):
             shape.hidden_size, inter, group, bias=shape.mlp_bias, dtype=dtype
         )
         self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias, dtype=dtype)
-        self.act = SiluAndMul(kernels)
+        self.act: nn.Module = SiluAndMul(kernels) if shape.hidden_act == "silu" else GeluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm (Llama): the residual stream passes each norm, which adds and normalises in one go."""
+
     def __init__(
         self,
         shape: ModelShape,
-        rotary: RotaryEmbedding,
+        layer: int,
         backend: Backend,
         kernels: str,
         group: ParallelGroup,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
-        self.self_attn = Attention(shape, rotary, backend, group, dtype, kernels)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
+        self.input_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
+        self.self_attn = Attention(shape, layer, backend, group, dtype, kernels)
+        self.post_attention_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
         self.mlp = MLP(shape, kernels, group, dtype)
 
     def forward(
         self,
+        rotary: RotaryEmbedding,
         rope: Any,
         x: torch.Tensor,
         residual: torch.Tensor | None,
@@ -216,16 +161,56 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, kv_cache, meta)
+        h = self.self_attn(rotary, rope, h, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2 and 3: the attention's and the MLP's outputs are normed before they join the
+    residual, and the MLP's input is normed on its own (pre_feedforward_layernorm).
+
+        h = norm_post_attn(attn(norm_in(x))) ; x = x + h
+        h = norm_post_ffn(mlp(norm_pre_ffn(x))) ; x = x + h
+
+    The residual add is fused into the next norm as in DecoderLayer: the layer returns
+    (the MLP's normed output, the residual before it).
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        layer: int,
+        backend: Backend,
+        kernels: str,
+        group: ParallelGroup,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(shape, layer, backend, kernels, group, dtype)
+        self.pre_feedforward_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
+        self.post_feedforward_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
+
+    def forward(
+        self,
+        rotary: RotaryEmbedding,
+        rope: Any,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h, _ = self.post_attention_layernorm(self.self_attn(rotary, rope, h, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        h, _ = self.post_feedforward_layernorm(self.mlp(h))
+        return h, residual
 
 
 class DecoderModel(nn.Module):
     def __init__(
         self,
         shape: ModelShape,
-        rotary: RotaryEmbedding,
+        layer_cls: type[DecoderLayer],
         backend: Backend,
         kernels: str,
         group: ParallelGroup,
@@ -234,9 +219,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, rotary, backend, kernels, group, dtype) for _ in range(shape.num_layers)
+            layer_cls(shape, i, backend, kernels, group, dtype) for i in range(shape.num_layers)
         )
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels, dtype)
+        self.norm = norm(shape, shape.hidden_size, kernels, dtype)
 
 
 class CausalLM(nn.Module):
@@ -256,6 +241,8 @@ class CausalLM(nn.Module):
     def __init__(
         self,
         config: Any,
+        shape: ModelShape,
+        layer_cls: type[DecoderLayer],
         dtype: torch.dtype,
         max_positions: int | None = None,
         attention_backend: str = "torch",
@@ -266,29 +253,33 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}"
             )
-        shape = ModelShape.from_config(config, group.world_size)
         self.shape = shape
         self.group = group
-        self.rotary = RotaryEmbedding(
-            config.get_text_config() if hasattr(config, "get_text_config") else config,
-            shape.head_dim,
-            max_positions or shape.max_position_embeddings,
-            dtype,
-            attention_backend,
+        positions = max_positions or shape.max_position_embeddings
+        # One table per rope parameter set the layers use; most models have one ("default").
+        text = text_config(config)
+        self.rotaries = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(
+                    text, shape.head_dim, positions, dtype, attention_backend, None if kind == DEFAULT_ROPE else kind
+                )
+                for kind in sorted({shape.rope_kind(i) for i in range(shape.num_layers)})
+            }
         )
-        scale = shape.head_dim**-0.5
         self.attention: Backend
         if attention_backend == "cpu":
             self.attention = CpuPagedAttention(
-                shape.num_heads, shape.num_kv_heads, shape.head_dim, scale, cpu_kernels_for("cpu")
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale, cpu_kernels_for("cpu")
             )
         else:
             backend_cls = TritonPagedAttention if attention_backend == "triton" else TorchPagedAttention
-            self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
-        self.model = DecoderModel(shape, self.rotary, self.attention, attention_backend, group, dtype)
+            self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
+        self.model = DecoderModel(shape, layer_cls, self.attention, attention_backend, group, dtype)
         # A tied head reads the embedding's shard: no second copy, and no lm_head in the checkpoint.
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied, dtype)
+        # Gemma multiplies the embeddings by sqrt(hidden) rounded to the model dtype.
+        self.embed_scale = float(torch.tensor(shape.embed_scale, dtype=dtype, device="cpu"))
 
     def forward(
         self,
@@ -298,10 +289,15 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
-        rope = self.rotary.lookup(positions)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        ropes = {
+            kind: (rotary, cast(RotaryEmbedding, rotary).lookup(positions)) for kind, rotary in self.rotaries.items()
+        }
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            rotary, rope = ropes[self.shape.rope_kind(i)]
+            x, residual = layer(rotary, rope, x, residual, kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -315,9 +311,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] (the full vocabulary, on every rank): float32, or in the
-        model's dtype without `upcast`."""
+        model's dtype without `upcast`; soft-capped where the family caps them (Gemma 2)."""
         logits = self.lm_head(hidden)
-        return logits.float() if upcast else logits
+        if upcast:
+            logits = logits.float()
+        cap = self.shape.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Hand every checkpoint tensor to its parameter's weight_loader; refuse gaps and strays.

@@ -1,0 +1,62 @@
+"""Which implementation runs a checkpoint: config.json's `architectures` names the family.
+
+Each family module turns a config into a `ModelShape` (refusing what it cannot run, with the
+reason) and names its decoder layer; the rest is shared (worker_svc/models/decoder.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker_svc.models import gemma, llama, qwen3
+from worker_svc.models.decoder import CausalLM, DecoderLayer
+from worker_svc.models.shape import ModelShape
+from worker_svc.parallel import SINGLE, ParallelGroup
+
+
+@dataclass(frozen=True)
+class Family:
+    shape: Callable[[Any, int], ModelShape]  # (config, tp size) -> this rank's shape
+    layer: type[DecoderLayer]
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(llama.shape, llama.LAYER),
+    "MistralForCausalLM": Family(llama.shape, llama.LAYER),
+    "Qwen2ForCausalLM": Family(llama.shape, llama.LAYER),
+    "Qwen3ForCausalLM": Family(qwen3.shape, qwen3.LAYER),
+    "Gemma2ForCausalLM": Family(gemma.gemma2_shape, gemma.LAYER),
+    "Gemma3ForCausalLM": Family(gemma.gemma3_shape, gemma.LAYER),
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def family_of(config: Any) -> Family:
+    """The family of `config`'s first architecture (a config without one is read as Llama)."""
+    archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+    family = FAMILIES.get(archs[0])
+    if family is None:
+        raise ValueError(f"architecture {archs[0]} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return family
+
+
+def model_shape(config: Any, tp_size: int = 1) -> ModelShape:
+    """The shape one rank of a group of `tp_size` sees; refuses a size the model cannot split."""
+    return family_of(config).shape(config, tp_size)
+
+
+def build_model(
+    config: Any,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    attention_backend: str = "torch",
+    group: ParallelGroup = SINGLE,
+) -> CausalLM:
+    """This rank's model for `config`, with uninitialised weights (see CausalLM.load_weights)."""
+    family = family_of(config)
+    shape = family.shape(config, group.world_size)
+    return CausalLM(config, shape, family.layer, dtype, max_positions, attention_backend, group)
