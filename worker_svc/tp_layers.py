@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.layers import Loaded, copy_checked, load_replicated, loaded_shape
+from worker_svc.layers import Loaded, RowWindow, copy_checked, load_replicated, loaded_shape
 from worker_svc.parallel import ParallelGroup
 
 
@@ -136,6 +136,9 @@ class ColumnParallelLinear(nn.Module):
         return cls(in_features, {"": _even(out_features, group, "output features")}, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
+        if shard_id is None and len(self.shards) > 1:
+            self._load_fused(param, loaded)
+            return
         key = shard_id or ""
         if key not in self.shards:
             raise ValueError(f"unknown shard {shard_id!r}, this layer has {sorted(self.shards)}")
@@ -150,6 +153,18 @@ class ColumnParallelLinear(nn.Module):
         if rows != shard.total:
             raise ValueError(f"{what}: checkpoint tensor has {rows} rows, the model wants {shard.total}")
         copy_checked(param.data[offset : offset + shard.size], loaded[shard.start : shard.start + shard.size], what)
+
+    def _load_fused(self, param: nn.Parameter, loaded: Loaded) -> None:
+        """A checkpoint that stores the parts already fused, in our order (Phi-3's qkv_proj and
+        gate_up_proj): each part's rows go to its shard's loader."""
+        rows = loaded_shape(loaded)[0]
+        want = sum(s.total for s in self.shards.values())
+        if rows != want:
+            raise ValueError(f"fused weight: checkpoint tensor has {rows} rows, the model wants {want}")
+        start = 0
+        for name, shard in self.shards.items():
+            self.weight_loader(param, RowWindow(loaded, start, shard.total), name)
+            start += shard.total
 
     def pack_for_cpu(self) -> None:
         self.packed = _pack(self.weight)

@@ -338,7 +338,8 @@ class CausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name} has no place in {self.shape.architecture}")
             param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
-            loaded.add((name, shard or ""))
+            # A fused checkpoint tensor (shard None where the parameter has parts) fills them all.
+            loaded.update((name, s) for s in ((shard,) if shard else getattr(param, "shard_ids", ("",))))
         missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in expected - loaded)
         if missing:
             raise ValueError(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker_svc.models import gemma, llama, qwen3
+from worker_svc.models import gemma, llama, phi3, qwen3
 from worker_svc.models.decoder import CausalLM, DecoderLayer
 from worker_svc.models.shape import ModelShape
 from worker_svc.parallel import SINGLE, ParallelGroup
@@ -29,6 +29,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(llama.shape, llama.LAYER),
     "Qwen2ForCausalLM": Family(llama.shape, llama.LAYER),
     "Qwen3ForCausalLM": Family(qwen3.shape, qwen3.LAYER),
+    "Phi3ForCausalLM": Family(phi3.shape, phi3.LAYER),
     "Gemma2ForCausalLM": Family(gemma.gemma2_shape, gemma.LAYER),
     "Gemma3ForCausalLM": Family(gemma.gemma3_shape, gemma.LAYER),
 }
