@@ -25,6 +25,8 @@ from triton.compiler import ASTSource
 from kernels.activation import BLOCK as SILU_BLOCK
 from kernels.activation import _silu_and_mul_kernel
 from kernels.checks import dot_precision, pow2
+from kernels.fused_moe import BLOCK_M as MOE_BLOCK_M
+from kernels.fused_moe import _grouped_gemm_kernel
 from kernels.kv_store import _store_kv_kernel
 from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel, decode_launch
 from kernels.prefill_attention import _prefill_kernel, prefill_launch
@@ -36,8 +38,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
-INT64_POINTERS = {"slot_ptr", "positions_ptr"}
-FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr"}
+INT64_POINTERS = {"slot_ptr", "positions_ptr", "sorted_ids_ptr", "block_expert_ptr"}
+FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr", "weights_ptr"}
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Values that grow with the batch: the program id along grid axis 0 (a token, a sequence or a
@@ -212,6 +214,24 @@ def silu_case(dtype: str) -> Case:
     )
 
 
+def moe_cases(dtype: str) -> list[Case]:
+    """The two grouped GEMMs of a mixture-of-experts block: gate/up (A rows per top_k pairs),
+    then down with the routing weights."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    common = dict(
+        BLOCK_M=MOE_BLOCK_M,
+        BLOCK_N=64,
+        BLOCK_K=64,
+        NATIVE_DOT=dtype != "fp32",
+        DOT_PRECISION=dot_precision(torch_dtype),
+    )
+    aligned = strides(_grouped_gemm_kernel) | {"k"}
+    return [
+        Case("moe_gate_up", _grouped_gemm_kernel, dtype, dict(TOP_K=2, SCALE_ROWS=False, **common), aligned=aligned),
+        Case("moe_down", _grouped_gemm_kernel, dtype, dict(TOP_K=1, SCALE_ROWS=True, **common), aligned=aligned),
+    ]
+
+
 def worker_cases(
     head_dims: tuple[int, ...], dtypes: tuple[str, ...], hiddens: tuple[int, ...], wide_groups: tuple[int, ...] = ()
 ) -> list[Case]:
@@ -230,6 +250,7 @@ def worker_cases(
         for hidden in hiddens:
             out += hidden_cases(hidden, dtype)
         out.append(silu_case(dtype))
+        out += moe_cases(dtype)
     return out
 
 
@@ -249,7 +270,7 @@ def cases() -> list[Case]:
     for dtype in ("bf16", "fp32"):
         out += [c for c in attention_cases(80, dtype) if not c.name.startswith("decode_merge")]
     out += [attention_cases(128, "bf16")[1], *layer_cases(80, "bf16")[:1], layer_cases(128, "bf16")[1]]
-    out += [hidden_cases(1000, "bf16")[1], silu_case("bf16")]
+    out += [hidden_cases(1000, "bf16")[1], silu_case("bf16"), *moe_cases("bf16")]
     return out
 
 

@@ -37,7 +37,17 @@ def test_every_kernel_and_dtype_is_measured(resources: dict[str, object]) -> Non
     configs = resources["configs"]
     assert isinstance(configs, list)
     kernels = {c["config"].split("-")[0] for c in configs}
-    assert kernels == {"decode", "decode_merge", "prefill", "store_kv", "rotary", "rms_norm", "silu_and_mul"}
+    assert kernels == {
+        "decode",
+        "decode_merge",
+        "prefill",
+        "store_kv",
+        "rotary",
+        "rms_norm",
+        "silu_and_mul",
+        "moe_gate_up",
+        "moe_down",
+    }
     assert {c["dtype"] for c in configs} == {"bf16", "fp16", "fp32"}
     assert {c["head_dim"] for c in configs if c["head_dim"] is not None} == {64, 128}
     for c in configs:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_reference
+from kernels.fused_moe import align_by_expert, fused_moe, fused_moe_reference
 from kernels.kv_store import store_kv, store_kv_reference
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
@@ -180,6 +181,34 @@ def test_prefill_kernel_equals_decode_kernel_on_single_tokens() -> None:
     a = paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125)
     b = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_align_by_expert_groups_pairs_in_padded_blocks() -> None:
+    ids = torch.tensor([[0, 2], [2, 1], [0, 0]], device=DEVICE)  # pairs 0..5 choose 0, 2, 2, 1, 0, 0
+    sorted_ids, block_expert = align_by_expert(ids, num_experts=4, block_m=4)
+    assert block_expert.tolist() == [0, 1, 2]  # expert 3 is chosen by nobody: no block
+    assert sorted_ids.tolist() == [0, 4, 5, 6, 3, 6, 6, 6, 1, 2, 6, 6]  # 6 = padding
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(37, 8, 2), (5, 6, 3), (1, 4, 1)])
+def test_fused_moe(dtype: torch.dtype, tokens: int, experts: int, top_k: int) -> None:
+    """Against the float32 reference and the worker's torch path (worker_svc/moe.py)."""
+    from worker_svc.moe import FusedMoE
+    from worker_svc.parallel import SINGLE
+
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter = 64, 80  # an intermediate width that is not a multiple of the tiles
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = (0.1 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(dtype).to(DEVICE)
+    w2 = (0.1 * torch.randn(experts, hidden, inter, generator=g)).to(dtype).to(DEVICE)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k, -1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    want = fused_moe_reference(x, w13, w2, weights, ids)
+    assert_close(fused_moe(x, w13, w2, weights, ids), want, dtype)
+    layer = FusedMoE(hidden, inter, experts, top_k, True, SINGLE, dtype)
+    layer.w13.data, layer.w2.data = w13, w2
+    assert_close(layer._experts(x, weights, ids), want, dtype)  # noqa: SLF001
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

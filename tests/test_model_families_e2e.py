@@ -22,10 +22,14 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tests.conftest import collect, make_tiny_model, request, start_scheduler, start_worker, stop_scheduler
@@ -36,6 +40,12 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         Qwen3Config,
         Qwen3ForCausalLM,
         dict(head_dim=32, use_sliding_window=True, sliding_window=7, max_window_layers=1),
+    ),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0]),
     ),
     "phi4-partial-rotary": (
         Phi3Config,

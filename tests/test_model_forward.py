@@ -22,12 +22,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from common.config import CacheConfig, WorkerConfig
@@ -121,6 +125,26 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         Phi3ForCausalLM,
         dict(pad_token_id=0, eos_token_id=1, partial_rotary_factor=0.5, sliding_window=6, tie_word_embeddings=True),
     ),
+    # Mixture of experts: top-2 of 8 renormalised (Mixtral, with a sliding window), top-3 of 6
+    # not renormalised with a dense first layer (Qwen3-MoE).
+    "mixtral-sliding-window": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=6),
+    ),
+    "qwen3-moe-dense-first": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            tie_word_embeddings=False,
+        ),
+    ),
     # Sandwich norms, (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar, a sliding
     # layer then a global one, attention and final soft-capping low enough to bite.
     "gemma2": (
@@ -177,6 +201,8 @@ def build(
                 p.normal_(0, 0.1)
             elif name.endswith("norm.weight"):
                 p.normal_(1, 0.1)
+            elif name.endswith(".gate.weight"):  # a router: decisive, so no near-tie flips a choice
+                p.normal_(0, 1.0)
     ref.save_pretrained(str(tmp_path))
     device = KERNEL_DEVICE if backend == "triton" else "cpu"
     runner = ModelRunner(
@@ -202,6 +228,8 @@ TRITON_CASES = [
     "gemma2",
     "gemma3",
     "phi4-partial-rotary",
+    "mixtral-sliding-window",
+    "qwen3-moe-dense-first",
 ]
 
 

@@ -31,12 +31,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from common.config import CacheConfig, WorkerConfig
@@ -91,6 +95,13 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             },
         ),
     ),
+    # Experts sharded along their intermediate width: every rank holds every expert's slice.
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1]),
+    ),
     "gemma2": (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -122,6 +133,8 @@ def save_checkpoint(path: Path, case: str) -> Path:
                 p.normal_(0, 0.1)
             elif name.endswith("norm.weight"):  # a per-head norm weight sliced by rank must show
                 p.normal_(1, 0.1)
+            elif name.endswith(".gate.weight"):  # a router: no near-tie for a reduction order to flip
+                p.normal_(0, 1.0)
     ref.save_pretrained(str(path))
     return path
 
@@ -360,6 +373,14 @@ def smollm2_like(**overrides: int) -> LlamaConfig:
             smollm2_like(num_attention_heads=12, num_key_value_heads=3, hidden_size=768),
             4,
             r"tp=4 cannot split 3 KV heads \(nor replicate them evenly\); sizes that work: 1, 3, 6, 12",
+        ),
+        (
+            Qwen3MoeConfig(
+                **(BASE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20)),
+                architectures=["Qwen3MoeForCausalLM"],
+            ),
+            8,
+            "tp=8 cannot split an MLP intermediate size of 20; sizes that work: 1, 2, 4",
         ),
     ],
 )

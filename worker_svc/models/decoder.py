@@ -10,6 +10,7 @@ where a family's layer is built differently, in its own module.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
 from worker_svc.cpu_attention import CpuPagedAttention
 from worker_svc.layers import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
 from worker_svc.models.shape import DEFAULT_ROPE, ModelShape, text_config
+from worker_svc.moe import FusedMoE
 from worker_svc.parallel import SINGLE, ParallelGroup
 from worker_svc.rotary import RotaryEmbedding
 from worker_svc.tp_layers import (
@@ -37,6 +39,11 @@ ATTENTION_BACKENDS = KERNELS
 Backend = PagedAttentionBackend
 # Metadata of whichever backend built it; layers pass it through untouched.
 AttentionMetadata = Any
+
+# An expert's tensor in a checkpoint (Qwen3-MoE's names, or Mixtral's w1/w3/w2) and the part
+# it fills of the stacked expert weights (worker_svc/moe.py).
+_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 # Checkpoint tensors that fill one fused parameter: (fused name, checkpoint name, shard id).
 _FUSED = (
@@ -149,7 +156,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
         self.self_attn = Attention(shape, layer, backend, group, dtype, kernels)
         self.post_attention_layernorm = norm(shape, shape.hidden_size, kernels, dtype)
-        self.mlp = MLP(shape, kernels, group, dtype)
+        self.mlp: nn.Module = (
+            FusedMoE(
+                shape.hidden_size,
+                shape.moe_intermediate_size,
+                shape.num_experts,
+                shape.experts_per_token,
+                shape.renormalize_top_k,
+                group,
+                dtype,
+                kernels,
+            )
+            if shape.is_sparse(layer)
+            else MLP(shape, kernels, group, dtype)
+        )
 
     def forward(
         self,
@@ -247,8 +267,10 @@ class CausalLM(nn.Module):
         max_positions: int | None = None,
         attention_backend: str = "torch",
         group: ParallelGroup = SINGLE,
+        renames: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__()
+        self.renames = renames  # checkpoint name fragments and ours (Mixtral's block_sparse_moe)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}"
@@ -329,8 +351,15 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.shape.tie_word_embeddings):
                 continue
+            for theirs, ours in self.renames:
+                name = name.replace(theirs, ours)
             shard = None
-            for fused, original, shard_id in _FUSED:
+            expert = _EXPERT.match(name)
+            if expert:
+                prefix, index, part = expert.groups()
+                part = _EXPERT_PART[part]
+                name, shard = f"{prefix}.{'w2' if part == 'down' else 'w13'}", f"{index}.{part}"
+            for fused, original, shard_id in () if expert else _FUSED:
                 if original in name:
                     name, shard = name.replace(original, fused), shard_id
                     break

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker_svc.models import gemma, llama, phi3, qwen3
+from worker_svc.models import gemma, llama, mixtral, phi3, qwen3
 from worker_svc.models.decoder import CausalLM, DecoderLayer
 from worker_svc.models.shape import ModelShape
 from worker_svc.parallel import SINGLE, ParallelGroup
@@ -22,6 +22,7 @@ from worker_svc.parallel import SINGLE, ParallelGroup
 class Family:
     shape: Callable[[Any, int], ModelShape]  # (config, tp size) -> this rank's shape
     layer: type[DecoderLayer]
+    renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
 
 
 FAMILIES: dict[str, Family] = {
@@ -29,6 +30,8 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(llama.shape, llama.LAYER),
     "Qwen2ForCausalLM": Family(llama.shape, llama.LAYER),
     "Qwen3ForCausalLM": Family(qwen3.shape, qwen3.LAYER),
+    "Qwen3MoeForCausalLM": Family(qwen3.moe_shape, qwen3.LAYER),
+    "MixtralForCausalLM": Family(mixtral.shape, mixtral.LAYER, mixtral.RENAMES),
     "Phi3ForCausalLM": Family(phi3.shape, phi3.LAYER),
     "Gemma2ForCausalLM": Family(gemma.gemma2_shape, gemma.LAYER),
     "Gemma3ForCausalLM": Family(gemma.gemma3_shape, gemma.LAYER),
@@ -60,4 +63,4 @@ def build_model(
     """This rank's model for `config`, with uninitialised weights (see CausalLM.load_weights)."""
     family = family_of(config)
     shape = family.shape(config, group.world_size)
-    return CausalLM(config, shape, family.layer, dtype, max_positions, attention_backend, group)
+    return CausalLM(config, shape, family.layer, dtype, max_positions, attention_backend, group, family.renames)

@@ -56,6 +56,14 @@ class ModelShape:
     norm_offset: float = 0.0  # norms apply (offset + w): checkpoints of Gemma store w - 1
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden), in the model dtype)
     sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2 and 3)
+    # Mixture of experts (0 experts: every layer dense).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    renormalize_top_k: bool = True  # the chosen experts' weights rescaled to sum to one
+    # Per layer: whether its feed-forward is the experts (True) or a dense MLP; empty: all
+    # sparse when there are experts.
+    sparse_layers: tuple[bool, ...] = ()
     tp_size: int = 1
     total_num_heads: int = 0  # 0: same as num_heads
     total_num_kv_heads: int = 0  # 0: same as num_kv_heads
@@ -67,7 +75,9 @@ class ModelShape:
             object.__setattr__(self, "total_num_kv_heads", self.num_kv_heads)
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-        for name in ("layer_windows", "layer_rope"):
+        if self.num_experts and self.hidden_act != "silu":
+            raise ValueError(f"experts with activation {self.hidden_act!r} are not supported (SiLU only)")
+        for name in ("layer_windows", "layer_rope", "sparse_layers"):
             got = getattr(self, name)
             if got and len(got) != self.num_layers:
                 raise ValueError(f"{name} has {len(got)} entries for {self.num_layers} layers")
@@ -77,6 +87,9 @@ class ModelShape:
 
     def rope_kind(self, layer: int) -> str:
         return self.layer_rope[layer] if self.layer_rope else DEFAULT_ROPE
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.sparse_layers[layer] if self.sparse_layers else True)
 
     @property
     def scale(self) -> float:
@@ -130,4 +143,7 @@ def base_shape(config: Any, tp_size: int, **features: Any) -> ModelShape:
         total_num_heads=heads,
         total_num_kv_heads=kv_heads,
     )
-    return replace(shape, **features)
+    shape = replace(shape, **features)
+    if shape.num_experts:  # each expert's width is split like the dense MLP's
+        check_splittable(tp_size, heads, kv_heads, shape.moe_intermediate_size)
+    return shape
