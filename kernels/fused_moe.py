@@ -5,7 +5,9 @@ pairs are sorted by expert and each expert's run is padded to a multiple of BLOC
 that a program's rows all belong to one expert:
 
     sorted_ids [padded]   pair index t * top_k + j, or `pairs` (past every pair) as padding
-    block_expert [blocks] the expert whose rows block b holds
+    block_expert [blocks] the expert whose rows block b holds (num_experts: a spare block, all
+                          padding: the block count is the worst case, so no count is read
+                          back to the host and decode stays capturable in a CUDA graph)
 
     grid = (blocks, cdiv(N, BLOCK_N))
     program (b, n): C[sorted_ids[b rows], n tile] = A[rows' tokens] @ W[block_expert[b]]^T
@@ -34,20 +36,26 @@ def align_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids, block_expert) for `topk_ids` [tokens, top_k] (see the module docstring).
 
-    Every expert gets ceil(count / block_m) blocks (none when unchosen); the padded length is
-    known only after counting, which costs one device-to-host read.
+    Every expert gets ceil(count / block_m) blocks (none when unchosen). The sizes depend on
+    the shapes only, never on the counts, so nothing is read back to the host and a decode
+    step stays capturable in a CUDA graph: there are as many blocks as the worst case needs,
+    (pairs + experts * (block_m - 1)) // block_m, and the blocks past the last expert's are
+    marked with expert `num_experts` and hold only padding.
     """
     pairs = topk_ids.numel()
+    device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), blocks)
+    ends = torch.cumsum(blocks, 0)  # one past each expert's last block
+    num_blocks = (pairs + num_experts * (block_m - 1)) // block_m
+    block_expert = torch.searchsorted(ends, torch.arange(num_blocks, device=device), right=True)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within one
-    first_block = torch.cumsum(blocks, 0) - blocks  # each expert's first block
     first_pair = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
-    rank = torch.arange(pairs, device=flat.device) - first_pair[flat[order]]  # place within its expert
-    sorted_ids = torch.full((int(block_expert.numel()) * block_m,), pairs, dtype=torch.int64, device=flat.device)
-    sorted_ids[first_block[flat[order]] * block_m + rank] = order
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=device) - first_pair[expert_of]  # place within its expert
+    sorted_ids = torch.full((num_blocks * block_m,), pairs, dtype=torch.int64, device=device)
+    sorted_ids[(ends - blocks)[expert_of] * block_m + rank] = order
     return sorted_ids, block_expert
 
 
@@ -60,6 +68,7 @@ def _grouped_gemm_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     pairs,
+    num_experts,
     n,
     k,
     stride_am,
@@ -82,7 +91,9 @@ def _grouped_gemm_kernel(
     ids = tl.load(sorted_ids_ptr + block * BLOCK_M + offs_m)  # int64 pair indices
     valid = ids < pairs
     rows = tl.where(valid, ids // TOP_K, 0)  # A rows (padding reads row 0, never stored)
+    # A spare block (expert = num_experts) holds only padding: read expert 0, store nothing.
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert = tl.where(expert < num_experts, expert, 0)
     n_mask = offs_n < n
     a_rows = a_ptr + rows[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
@@ -127,6 +138,7 @@ def _grouped_gemm(
         sorted_ids,
         block_expert,
         pairs,
+        w.shape[0],
         n,
         k,
         a.stride(0),

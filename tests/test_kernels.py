@@ -186,8 +186,10 @@ def test_prefill_kernel_equals_decode_kernel_on_single_tokens() -> None:
 def test_align_by_expert_groups_pairs_in_padded_blocks() -> None:
     ids = torch.tensor([[0, 2], [2, 1], [0, 0]], device=DEVICE)  # pairs 0..5 choose 0, 2, 2, 1, 0, 0
     sorted_ids, block_expert = align_by_expert(ids, num_experts=4, block_m=4)
-    assert block_expert.tolist() == [0, 1, 2]  # expert 3 is chosen by nobody: no block
-    assert sorted_ids.tolist() == [0, 4, 5, 6, 3, 6, 6, 6, 1, 2, 6, 6]  # 6 = padding
+    # Expert 3 is chosen by nobody: no block of its own. (6 + 4 * 3) // 4 = 4 blocks in all,
+    # the last a spare one (expert 4, padding only).
+    assert block_expert.tolist() == [0, 1, 2, 4]
+    assert sorted_ids.tolist() == [0, 4, 5, 6, 3, 6, 6, 6, 1, 2, 6, 6, 6, 6, 6, 6]  # 6 = padding
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
