@@ -117,9 +117,10 @@ def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelR
     assert padded.shape[0] == 4
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=0)
     for (k, v), (k1, v1) in zip(runner.kv.layers, kv_eager):
-        # The same K/V in the same slots, and the padding row stored nothing.
-        torch.testing.assert_close(k, k1, atol=1e-6, rtol=0)
-        torch.testing.assert_close(v, v1, atol=1e-6, rtol=0)
+        # The same K/V in the same slots, and the padding row stored nothing. (Up to a few
+        # float32 ulps: the GEMM's blocking, and so its rounding, depends on the row count.)
+        torch.testing.assert_close(k, k1, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, v1, atol=1e-5, rtol=0)
     assert runner._graphs is None or torch.cuda.is_available()  # captured only on CUDA
 
 
