@@ -136,8 +136,10 @@ def start_worker(model_dir: Path, *extra: str, dtype: str = "float32") -> Worker
     return WorkerProcess(proc, address)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_worker(tiny_model_dir: Path) -> Iterator[WorkerProcess]:
+    """One worker for the whole session (a start costs seconds): the worker keeps no state
+    between schedulers, so each test's scheduler starts from a fresh pool on it."""
     worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64")
     yield worker
     worker.stop()

@@ -8,14 +8,23 @@ depend on batch composition, swapping, recomputation or prefix reuse: any differ
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from tests.conftest import Generation, Scheduler, collect, request, start_scheduler, start_worker, stop_scheduler
+from tests.conftest import (
+    Generation,
+    Scheduler,
+    WorkerProcess,
+    collect,
+    request,
+    start_scheduler,
+    start_worker,
+    stop_scheduler,
+)
 
 
 def by_index(gen: Generation) -> dict[int, list[int]]:
@@ -25,18 +34,24 @@ def by_index(gen: Generation) -> dict[int, list[int]]:
     return out
 
 
-@pytest.fixture
-async def small_pool(tiny_model_dir: Path) -> AsyncIterator[Scheduler]:
-    """40 device blocks of 16 tokens and a 12-block swap pool; afterwards both pools are free."""
+@pytest.fixture(scope="module")
+def small_pool_worker(tiny_model_dir: Path) -> Iterator[WorkerProcess]:
     worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "40", "--num-cpu-blocks", "12")
-    s = await start_scheduler(tiny_model_dir, worker.address)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+async def small_pool(tiny_model_dir: Path, small_pool_worker: WorkerProcess) -> AsyncIterator[Scheduler]:
+    """40 device blocks of 16 tokens and a 12-block swap pool, a fresh scheduler per test on the
+    module's worker; afterwards both pools are free."""
+    s = await start_scheduler(tiny_model_dir, small_pool_worker.address)
     try:
         await s.wait_ready()
         yield s
         await s.wait_idle()
     finally:
         await stop_scheduler(s)
-        worker.stop()
 
 
 async def test_24_concurrent_requests_through_swap_and_recompute_are_exact(small_pool: Scheduler) -> None:
