@@ -22,6 +22,10 @@ run: install
 	$(VENV)/bin/llmserve prepare-model
 	exec $(VENV)/bin/llmserve up $(ARGS)
 
+# Two pytest processes, each taking whole test files (module fixtures start once): most of a
+# test's time is processes starting and waiting on each other, which two processes overlap.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
