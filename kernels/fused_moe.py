@@ -91,14 +91,16 @@ def _grouped_gemm_kernel(
     ids = tl.load(sorted_ids_ptr + block * BLOCK_M + offs_m)  # int64 pair indices
     valid = ids < pairs
     rows = tl.where(valid, ids // TOP_K, 0)  # A rows (padding reads row 0, never stored)
-    # A spare block (expert = num_experts) holds only padding: read expert 0, store nothing.
+    # A spare block (expert = num_experts) holds only padding: no K loop, nothing stored.
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    expert = tl.where(expert < num_experts, expert, 0)
+    spare = expert >= num_experts
+    expert = tl.where(spare, 0, expert)
+    k_end = tl.where(spare, 0, k)
     n_mask = offs_n < n
     a_rows = a_ptr + rows[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
         a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)  # [M, K]

@@ -359,3 +359,29 @@ def test_longrope_uses_the_long_frequencies_past_the_original_length() -> None:
         cos, sin = theirs(torch.zeros(1), positions[None])
         torch.testing.assert_close(ours.cos[positions], cos[0, :, :8], atol=1e-6, rtol=0)
         torch.testing.assert_close(ours.sin[positions], sin[0, :, :8], atol=1e-6, rtol=0)
+
+
+def test_gemma_norms_round_once_like_transformers_in_bfloat16() -> None:
+    """(1 + w) in float32 times the normalised row, rounded once: Gemma's order, not Llama's."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from worker_svc.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    w = (0.3 * torch.randn(2304, generator=g)).to(torch.bfloat16)
+    x = torch.randn(5, 2304, generator=g).to(torch.bfloat16)
+    theirs = Gemma2RMSNorm(2304, eps=1e-6).to(torch.bfloat16)
+    theirs.weight.data.copy_(w)
+    for kernels in ("torch", "cpu"):
+        ours = RMSNorm(2304, 1e-6, kernels, torch.bfloat16, offset=1.0)
+        ours.weight.weight_loader(ours.weight, w)
+        assert torch.equal(ours(x)[0], theirs(x)), kernels
+
+
+def test_a_llama_config_with_a_stray_sliding_window_key_gets_no_window() -> None:
+    from worker_svc.models.registry import model_shape
+
+    config = LlamaConfig(**(BASE | dict(sliding_window=6)))
+    assert model_shape(config).layer_windows == ()  # transformers' Llama ignores the key
+    config = MistralConfig(**(BASE | dict(sliding_window=6)), architectures=["MistralForCausalLM"])
+    assert model_shape(config).layer_windows == (6, 6)

@@ -85,6 +85,10 @@ class RMSNorm(nn.Module):
     `forward(x, residual)` returns (normed, x + residual): the sum is the next layer's residual,
     so the add and the norm read x once. `kernels` "triton" or "cpu" runs our kernel, same
     interface (the CPU one writes the sum into `residual` itself).
+
+    With `offset` (Gemma: the checkpoint stores w and the norm applies 1 + w) the norm follows
+    Gemma's own order: (1 + w) in float32 times the float32 normalised x, rounded once. Our
+    kernels multiply Llama's way (round, then times w), so such a norm runs in torch.
     """
 
     def __init__(
@@ -101,25 +105,21 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self._cpu = cpu_kernels_for(kernels)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-
-    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None) -> None:
-        """The checkpoint's weight, plus `offset` where the family stores w - 1 (Gemma's (1 + w)):
-        every kernel then multiplies by the weight as it is."""
-        load_replicated(param, loaded, shard_id)
-        if self.offset:
-            param.data.add_(self.offset)
+        self.weight.weight_loader = load_replicated  # type: ignore[attr-defined]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cpu is not None:
-            return self._cpu.rms_norm(x, self.weight, self.eps, residual)
-        if self.kernels == "triton":
-            return rms_norm(x, self.weight, self.eps, residual)
+        if not self.offset:  # Gemma's rounding order has no kernel (see the class docstring)
+            if self._cpu is not None:
+                return self._cpu.rms_norm(x, self.weight, self.eps, residual)
+            if self.kernels == "triton":
+                return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -15,7 +15,11 @@ LAYER = DecoderLayer
 def shape(config: Any, tp_size: int) -> ModelShape:
     text = text_config(config)
     archs = getattr(config, "architectures", None) or []
-    if archs and archs[0] == "Qwen2ForCausalLM":
+    arch = archs[0] if archs else "LlamaForCausalLM"
+    if arch == "Qwen2ForCausalLM":
         # Qwen2 has biases on q, k, v only; Llama's attention_bias covers o_proj as well.
         return base_shape(config, tp_size, qkv_bias=True, o_bias=False)
-    return base_shape(config, tp_size, hidden_act=getattr(text, "hidden_act", "silu"))
+    features: dict[str, Any] = {"hidden_act": getattr(text, "hidden_act", "silu")}
+    if arch == "LlamaForCausalLM":
+        features["layer_windows"] = ()  # transformers' Llama never reads a `sliding_window` key
+    return base_shape(config, tp_size, **features)
