@@ -32,7 +32,6 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
     decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
     decode_padding: torch.Tensor  # bool [decodes, 1, width_d * block_size], True past seq_len
-    decode_seq_lens: torch.Tensor  # int64 [decodes, 1, 1] tokens in the cache after this step
     # (first token, query length, context length, row) of every other sequence.
     prefills: tuple[tuple[int, int, int, int], ...]
     store_all: bool  # no slot is -1
@@ -177,7 +176,6 @@ class TorchPagedAttention(PagedAttentionBackend):
             # padding (-1) becomes block 0: gathered, then masked out by decode_padding
             decode_block_tables=t(np.maximum(block_tables[rows, :width_d], 0), torch.int64),
             decode_padding=t(padding[:, None, :], torch.bool),
-            decode_seq_lens=t(seq_lens[rows].reshape(-1, 1, 1), torch.int64),
             prefills=prefills,
             store_all=bool((slot_mapping >= 0).all()),
         )
@@ -197,9 +195,9 @@ class TorchPagedAttention(PagedAttentionBackend):
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
             hidden = meta.decode_padding
-            if window:
+            if window:  # keys before the last `window` of each sequence (its length: unpadded keys)
                 keys = torch.arange(hidden.shape[-1], device=hidden.device)
-                hidden = hidden | (keys <= meta.decode_seq_lens - 1 - window)
+                hidden = hidden | (keys < (~hidden).sum(-1, keepdim=True) - window)
             decoded = self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta, hidden, softcap)
             out.index_copy_(0, meta.decode_token_idx, decoded)
         attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out, window, softcap)

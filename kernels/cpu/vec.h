@@ -112,8 +112,6 @@ template <> inline V16 vround<bf16>(V16 a) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_half(a)), 16))};
 }
 
-// Lanes at or past n become `fill`.
-inline V16 vkeep(V16 a, int n, float fill) { return {_mm512_mask_blend_ps(tail_mask(n), _mm512_set1_ps(fill), a.v)}; }
 // Lanes outside [lo, hi) become `fill`.
 inline V16 vkeep(V16 a, int lo, int hi, float fill) {
   const __mmask16 keep = static_cast<__mmask16>(tail_mask(hi) & ~tail_mask(lo > 0 ? lo : 0));
@@ -186,7 +184,6 @@ template <typename T> inline void vstore(T* p, V16 a, int n = 16) {
   for (int i = 0; i < n && i < 16; ++i) p[i] = from_float<T>(a.v[i]);
 }
 template <typename T> inline V16 vround(V16 a) { LLMSERVE_LANES(round_to<T>(a.v[i])); }
-inline V16 vkeep(V16 a, int n, float fill) { LLMSERVE_LANES(i < n ? a.v[i] : fill); }
 inline V16 vkeep(V16 a, int lo, int hi, float fill) { LLMSERVE_LANES(i >= lo && i < hi ? a.v[i] : fill); }
 inline V16 vrcp(V16 a) { LLMSERVE_LANES(1.0f / a.v[i]); }
 inline V16 vexp(V16 x) { LLMSERVE_LANES(x.v[i] < -87.3f ? 0.0f : std::exp(x.v[i])); }

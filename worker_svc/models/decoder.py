@@ -1,7 +1,7 @@
 """The layers every family is made of, over the paged KV cache.
 
 Written to read like the reference: per layer, x -> RMSNorm -> attention -> + x -> RMSNorm
--> gated MLP -> + x (with `sandwich_norms`, Gemma's: the attention's and the MLP's outputs are
+-> gated MLP -> + x (in SandwichDecoderLayer, Gemma's: the attention's and the MLP's outputs are
 normed again before they join the residual). Tokens of every sequence of the step are
 flattened into one batch ([tokens, hidden]); the attention backend is the only place that
 knows about sequences. What differs between families is in `ModelShape` (see shape.py) and,

@@ -18,7 +18,7 @@ from worker_svc.models.shape import ModelShape, base_shape, text_config
 LAYER = SandwichDecoderLayer
 
 
-def _common(config: Any, text: Any) -> dict[str, Any]:
+def _common(text: Any) -> dict[str, Any]:
     if getattr(text, "use_bidirectional_attention", False):
         raise ValueError("Gemma with use_bidirectional_attention (an encoder) is not supported")
     return dict(
@@ -26,30 +26,15 @@ def _common(config: Any, text: Any) -> dict[str, Any]:
         attn_scale=float(text.query_pre_attn_scalar) ** -0.5,
         norm_offset=1.0,
         embed_scale=float(text.hidden_size) ** 0.5,
-        sandwich_norms=True,
+        attn_softcap=float(getattr(text, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(text, "final_logit_softcapping", None) or 0.0),
     )
 
 
 def gemma2_shape(config: Any, tp_size: int) -> ModelShape:
-    text = text_config(config)
-    return base_shape(
-        config,
-        tp_size,
-        attn_softcap=float(text.attn_logit_softcapping or 0.0),
-        final_softcap=float(text.final_logit_softcapping or 0.0),
-        **_common(config, text),
-    )
+    return base_shape(config, tp_size, **_common(text_config(config)))
 
 
 def gemma3_shape(config: Any, tp_size: int) -> ModelShape:
     text = text_config(config)
-    types = tuple(text.layer_types)
-    return base_shape(
-        config,
-        tp_size,
-        qk_norm=True,
-        layer_rope=types,
-        attn_softcap=float(getattr(text, "attn_logit_softcapping", None) or 0.0),
-        final_softcap=float(getattr(text, "final_logit_softcapping", None) or 0.0),
-        **_common(config, text),
-    )
+    return base_shape(config, tp_size, qk_norm=True, layer_rope=tuple(text.layer_types), **_common(text))

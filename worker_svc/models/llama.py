@@ -7,15 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from worker_svc.models.decoder import DecoderLayer
-from worker_svc.models.shape import ModelShape, base_shape, text_config
+from worker_svc.models.shape import ModelShape, architecture, base_shape, text_config
 
 LAYER = DecoderLayer
 
 
 def shape(config: Any, tp_size: int) -> ModelShape:
     text = text_config(config)
-    archs = getattr(config, "architectures", None) or []
-    arch = archs[0] if archs else "LlamaForCausalLM"
+    arch = architecture(config)
     if arch == "Qwen2ForCausalLM":
         # Qwen2 has biases on q, k, v only; Llama's attention_bias covers o_proj as well.
         return base_shape(config, tp_size, qkv_bias=True, o_bias=False)

@@ -14,7 +14,7 @@ import torch
 
 from worker_svc.models import gemma, llama, mixtral, phi3, qwen3
 from worker_svc.models.decoder import CausalLM, DecoderLayer
-from worker_svc.models.shape import ModelShape
+from worker_svc.models.shape import ModelShape, architecture
 from worker_svc.parallel import SINGLE, ParallelGroup
 
 
@@ -41,10 +41,10 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 def family_of(config: Any) -> Family:
     """The family of `config`'s first architecture (a config without one is read as Llama)."""
-    archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
-    family = FAMILIES.get(archs[0])
+    arch = architecture(config)
+    family = FAMILIES.get(arch)
     if family is None:
-        raise ValueError(f"architecture {archs[0]} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return family
 
 

@@ -55,7 +55,6 @@ class ModelShape:
     attn_scale: float = 0.0  # 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     norm_offset: float = 0.0  # norms apply (offset + w): checkpoints of Gemma store w - 1
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden), in the model dtype)
-    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2 and 3)
     # Mixture of experts (0 experts: every layer dense).
     num_experts: int = 0
     experts_per_token: int = 0
@@ -96,6 +95,12 @@ class ModelShape:
         return self.attn_scale or self.head_dim**-0.5
 
 
+def architecture(config: Any) -> str:
+    """config.json's first architecture; a config without one is read as Llama."""
+    archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+    return str(archs[0])
+
+
 def text_config(config: Any) -> Any:
     """The language model's part of a config (a multimodal config nests it)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -122,9 +127,8 @@ def base_shape(config: Any, tp_size: int, **features: Any) -> ModelShape:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     check_splittable(tp_size, heads, kv_heads, text.intermediate_size)
-    archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
     shape = ModelShape(
-        architecture=archs[0],
+        architecture=architecture(config),
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size,
