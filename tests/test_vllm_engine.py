@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import json
+import signal
 import sys
 import zipfile
 from pathlib import Path
@@ -25,7 +26,7 @@ from scheduler_svc import vllm_wire
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_event_log import CacheCleared, KvBatch, KvEventLog
 from scheduler_svc.kv_events import BlockRemoved, BlockStored, KvEventQueue
-from tests.conftest import Scheduler, collect, request
+from tests.conftest import Scheduler, WorkerProcess, collect, request
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 PROMPT = [100 + 7 * k for k in range(12)]
@@ -337,7 +338,9 @@ async def test_cancel_mid_stream_frees_every_block(tiny_scheduler: Scheduler) ->
     await tiny_scheduler.wait_idle(10.0)
 
 
-async def test_abort_ends_streamed_and_unary_requests_with_abort(tiny_scheduler: Scheduler) -> None:
+async def test_abort_ends_streamed_and_unary_requests_with_abort(
+    tiny_scheduler: Scheduler, tiny_worker: WorkerProcess
+) -> None:
     engine = tiny_scheduler.engine
     call = stub(tiny_scheduler).Generate(generate(max_tokens=400, ignore_eos=True, request_id="gw-1"))
     seen = [await call.read(), await call.read()]
@@ -347,10 +350,18 @@ async def test_abort_ends_streamed_and_unary_requests_with_abort(tiny_scheduler:
     assert done.finish_reason == "abort" and 2 <= done.completion_tokens < 400
     assert list(done.output_ids) == streamed_ids(seen + rest)
 
-    unary = stub(tiny_scheduler).Generate(generate(stream=False, max_tokens=400, ignore_eos=True, request_id="gw-2"))
-    while engine.num_requests == 0 or engine.activity()[0].load.running == 0:
-        await asyncio.sleep(0.01)
-    await stub(tiny_scheduler).Abort(vpb.AbortRequest(request_ids=["gw-2"]))
+    # The worker is paused while the abort goes in: on a busy machine the 400 tokens could
+    # otherwise all be sampled before the Abort call is served.
+    tiny_worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        unary = stub(tiny_scheduler).Generate(
+            generate(stream=False, max_tokens=400, ignore_eos=True, request_id="gw-2")
+        )
+        while engine.num_requests == 0 or engine.activity()[0].load.running == 0:
+            await asyncio.sleep(0.01)
+        await stub(tiny_scheduler).Abort(vpb.AbortRequest(request_ids=["gw-2"]))
+    finally:
+        tiny_worker.proc.send_signal(signal.SIGCONT)
     (done,) = completes([m async for m in unary])
     assert done.finish_reason == "abort" and done.completion_tokens < 400
     await tiny_scheduler.wait_idle(10.0)
