@@ -846,13 +846,17 @@ def cmd_up(a: argparse.Namespace) -> None:
                     worker.restart_if_dead()
                 if gateway is not None:
                     gateway.restart_if_dead()
+                    if not gateway.announced:
+                        # The scheduler's `ready` line comes before smg answers on the HTTP
+                        # port; `http_ready` marks that moment. In a thread: the probe may wait.
+                        await asyncio.to_thread(gateway.announce_when_ready)
                 elif gateway_config is not None and server.engine.ready:
                     # Once requests can be answered. Started earlier, smg would report itself
                     # ready at once (it counts a registered scheduler as healthy until health
                     # checks fail) and answer requests with the scheduler's UNAVAILABLE.
                     gateway = Gateway(replace(gateway_config, schedulers=(dial_address(a.host, port),)), smg)
                     gateway.start()
-                waiting_for_ready = gateway is None and gateway_config is not None
+                waiting_for_ready = gateway_config is not None and (gateway is None or not gateway.announced)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.2 if waiting_for_ready else 1.0)
         finally:

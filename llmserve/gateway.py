@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_METRICS_PORT = 9092
 # Our level names -> smg's.
 _SMG_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+# Our own gateway is dialed directly: an operator's http_proxy would otherwise get the probe.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class GatewayUnavailable(ValueError):
@@ -96,6 +99,10 @@ class GatewayConfig:
     @property
     def url(self) -> str:
         return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.metrics_port}/metrics"
 
 
 def _check_port(port: int, flag: str) -> None:
@@ -180,13 +187,42 @@ class Gateway:
         self.config = config
         self.command = smg_command(config, executable or smg_executable())
         self.process = Supervised(bound_to_this_process(self.command), name="gateway", own_session=True)
+        # The smg process whose `http_ready` line was logged. Each process gets its own: after
+        # `gateway_exited` an operator (or a script tailing the log) needs to know when HTTP
+        # answers again just as much as at the first start.
+        self._announced_pid: int | None = None
+
+    @property
+    def announced(self) -> bool:
+        """False while the running smg has not yet been seen answering (and logged)."""
+        proc = self.process.proc
+        return proc is None or proc.poll() is not None or proc.pid == self._announced_pid
+
+    def answers(self, timeout: float = 0.5) -> bool:
+        """Whether smg's /readiness is 200. Blocks up to `timeout`: from an event loop, call it
+        in a thread."""
+        url = f"http://{dial_address(self.config.host, self.config.port)}/readiness"
+        try:
+            with _DIRECT.open(url, timeout=timeout) as response:
+                return bool(response.status == 200)
+        except OSError:  # refused while smg starts; HTTPError (a 503) is one too
+            return False
+
+    def announce_when_ready(self) -> None:
+        """Log `http_ready` once the running smg answers; a no-op once it has. Blocks up to
+        half a second (a thread, from an event loop)."""
+        proc = self.process.proc
+        if self.announced or proc is None or not self.answers():
+            return
+        self._announced_pid = proc.pid
+        log.info("http_ready", openai=f"{self.config.url}/v1", metrics=self.config.metrics_url, pid=proc.pid)
 
     def start(self) -> None:
         cfg = self.config
         log.info(
             "gateway_starting",
             openai=f"{cfg.url}/v1",
-            metrics=f"http://{_url_host(cfg.host)}:{cfg.metrics_port}/metrics",
+            metrics=cfg.metrics_url,
             schedulers=list(cfg.schedulers) or None,
             discovery=" ".join(cfg.discovery.selector) if cfg.discovery else None,
             policy=cfg.policy,

@@ -404,6 +404,26 @@ def test_health_and_metrics_endpoints_answer(up: Scheduler, client: openai.OpenA
     assert status == 200 and metric(text, "smg_http_requests_total") > 0
 
 
+def test_one_http_ready_line_once_the_gateway_answers(chat_model_dir: Path, tmp_path: Path) -> None:
+    """The scheduler's `ready` line comes seconds before smg answers on the HTTP port;
+    `http_ready` comes after it, once, and HTTP answers the moment it is seen."""
+    up = Scheduler(chat_model_dir, http=True, log=tmp_path / "up.log")
+    try:
+        wait_until(lambda: "http_ready" in up.events(), 180, "the http_ready line", up.proc)
+        status, body = http(f"{up.base_url}/v1/models")
+        assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL], body
+        assert http(f"http://127.0.0.1:{up.http_metrics_port}/metrics")[0] == 200
+        assert up.log is not None
+        lines = [json.loads(line) for line in up.log.read_text().splitlines() if line.startswith("{")]
+        (line,) = [e for e in lines if e.get("event") == "http_ready"]
+        assert line["openai"] == f"{up.base_url}/v1"
+        assert line["metrics"] == f"http://127.0.0.1:{up.http_metrics_port}/metrics"
+        events = up.events()
+        assert events.index("ready") < events.index("gateway_started") < events.index("http_ready"), events
+    finally:
+        up.stop()
+
+
 # ---- several schedulers behind `llmserve gateway` ----
 
 
@@ -491,6 +511,8 @@ def test_the_gateway_is_restarted_when_it_dies(up: Scheduler, client: openai.Ope
     wait_until(lambda: any(pid != smg and is_smg(pid) for pid in children_of(up.proc.pid)), 30, "a new smg", up.proc)
     wait_until(lambda: http(f"{up.base_url}/readiness")[0] == 200, 60, "the new gateway ready", up.proc)
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
+    # Each smg process announces itself: the operator who saw gateway_exited learns when HTTP is back.
+    wait_until(lambda: up.events().count("http_ready") == 2, 10, "a second http_ready line", up.proc)
 
 
 def test_sigterm_stops_the_gateway_first_and_leaves_no_process(up: Scheduler) -> None:

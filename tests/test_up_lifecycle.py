@@ -8,16 +8,25 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import openai
+from openai.types import Completion
 
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from tests.conftest import REPO, free_port, request, wait_serving
+from tests.test_gateway import distinct_ports, wait_until
 
 
 def _events(log: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def _names(log: Path) -> list[str]:
+    """Our own log lines' events, in order (smg's JSON lines have none)."""
+    return [str(e["event"]) for e in _events(log) if "event" in e]
 
 
 def _alive(pid: int) -> bool:
@@ -28,14 +37,11 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
 
 
-async def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A terminal's Ctrl-C signals the whole foreground process group. The request in flight
-    gets every token, `up` exits 0 without a traceback, and its worker ends with it."""
-    port = free_port()
-    log = tmp_path / "up.log"
+def _start_up(model: Path, port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """`llmserve up` on `model` logging JSON to `log`, in its own session and process group as
+    a shell starts a foreground job: killpg is then the terminal's Ctrl-C."""
     with log.open("w") as sink:
-        # Its own session and group, as a shell gives a foreground job: killpg is the Ctrl-C.
-        up = subprocess.Popen(
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -44,16 +50,16 @@ async def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path) 
                 "info",
                 "up",
                 "--model",
-                str(tiny_model_dir),
+                str(model),
                 "--dtype",
                 "float32",
                 "--device",
                 "cpu",
                 "--port",
                 str(port),
-                "--no-http",
                 "--drain-timeout",
                 "60",
+                *flags,
             ],
             cwd=REPO,
             stdout=sink,
@@ -61,6 +67,14 @@ async def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path) 
             start_new_session=True,
             env={**os.environ, "LLMSERVE_LOG_JSON": "1"},
         )
+
+
+async def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group. The request in flight
+    gets every token, `up` exits 0 without a traceback, and its worker ends with it."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = _start_up(tiny_model_dir, port, log, "--no-http")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await wait_serving(channel, timeout=120)
@@ -127,3 +141,68 @@ def test_a_start_that_fails_leaves_no_temp_dir_and_no_worker(tiny_model_dir: Pat
     ]
     assert [e["event"] for e in events if e["event"].startswith("worker_")] == ["worker_started", "worker_stopped"]
     assert list(tmp.iterdir()) == []
+
+
+def test_ctrl_c_with_the_gateway_drains_its_http_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same Ctrl-C with smg in front (`up`'s default). One sequence at a time, so that the
+    queued requests outlast smg's 5 s of listening after SIGTERM and finish in its drain: the
+    stream in flight and the four queued behind it all get every token, `up` exits 0 without
+    a traceback, and neither smg nor the worker outlives it."""
+    port, http_port, http_metrics_port = distinct_ports(3)
+    log = tmp_path / "up.log"
+    up = _start_up(
+        tiny_model_dir,
+        port,
+        log,
+        "--http-port",
+        str(http_port),
+        "--http-metrics-port",
+        str(http_metrics_port),
+        "--max-num-seqs",
+        "1",
+    )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def long_story() -> Completion:
+        return client.completions.create(
+            model=tiny_model_dir.name, prompt="Tell me a long story", max_tokens=480, extra_body={"ignore_eos": True}
+        )
+
+    try:
+        wait_until(lambda: "http_ready" in _names(log), 180, "the http_ready line", up)
+        stream = iter(
+            client.completions.create(
+                model=tiny_model_dir.name,
+                prompt="Tell me a long story",
+                max_tokens=480,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        next(stream)
+        with ThreadPoolExecutor(4) as pool:
+            queued = [pool.submit(long_story) for _ in range(4)]
+            wait_until(lambda: _names(log).count("request_admitted") == 5, 30, "four requests queued", up)
+            os.killpg(up.pid, signal.SIGINT)
+            rest = list(stream)
+            answers = [q.result() for q in queued]
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 480
+        assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
+        assert [(a.usage and a.usage.completion_tokens, a.choices[0].finish_reason) for a in answers] == [
+            (480, "length")
+        ] * 4
+        assert up.wait(timeout=120) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    assert "Traceback" not in log.read_text()
+    events = _events(log)
+    (worker,) = [int(e["pid"]) for e in events if e.get("event") == "worker_started"]  # type: ignore[call-overload]
+    (smg,) = [int(e["pid"]) for e in events if e.get("event") == "gateway_started"]  # type: ignore[call-overload]
+    wait_until(lambda: not _alive(worker) and not _alive(smg), 10, "the worker and smg gone")
+    names = _names(log)
+    assert not [n for n in names if n in ("worker_exited", "gateway_exited")], names
+    # smg drains through the scheduler, so it stops first; the worker last.
+    order = [names.index(n) for n in ("shutting_down", "gateway_stopped", "scheduler_stopped", "worker_stopped")]
+    assert order == sorted(order), names[-12:]

@@ -21,10 +21,11 @@ from common.config import WorkerConfig
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.limits import max_tokens_per_step
+from kernels.paged_attention import decode_shapes
 from worker_svc import host_memory, kv_cache
 from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.host_allocator import keep_freed_memory
-from worker_svc.host_copy import to_host
+from worker_svc.host_copy import to_device, to_host
 from worker_svc.kv_cache import KVCache
 from worker_svc.layers import cpu_kernels_for
 from worker_svc.loader import (
@@ -38,7 +39,7 @@ from worker_svc.loader import (
 from worker_svc.logits_processor import process_logits, processed_rows
 from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
 from worker_svc.parallel import SINGLE, ParallelGroup, bind_device
-from worker_svc.probe_plans import decode_step, heaviest_step
+from worker_svc.probe_plans import decode_step, heaviest_step, widest_decode_step
 from worker_svc.sampler import sample
 from worker_svc.step_buckets import gemm_buckets, graph_buckets, pad_rows
 from worker_svc.step_profile import StepProfile
@@ -205,14 +206,31 @@ class ModelRunner:
 
     def _profile_cuda_budget(self) -> float:
         """What is left of gpu_memory_utilization after weights and the peak of the heaviest
-        step (worker_svc/probe_plans.py): a full token budget over max_num_seqs sampled rows."""
+        step (worker_svc/probe_plans.py): a full token budget over max_num_seqs sampled rows,
+        and on the torch attention path also max_num_seqs rows decoding at the longest context
+        (it gathers each row's whole context into new tensors)."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         plan, blocks = heaviest_step(tokens, self.config.max_num_seqs, self.block_size, self.shape.vocab_size)
+        # Each probe with what to lower when it does not fit.
+        probes = [(plan, "--max-num-batched-tokens or --max-num-seqs")]
+        if self.attention_backend == "torch":
+            widest = widest_decode_step(
+                self.config.max_num_seqs, self.max_model_len - 1, self.block_size, self.shape.vocab_size, blocks
+            )
+            probes.append((widest, "--max-num-seqs or --max-model-len, or use --attention-backend triton"))
         self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.execute(plan)
+        for probe, lower in probes:
+            try:
+                self.execute(probe)
+            except torch.cuda.OutOfMemoryError as error:
+                raise RuntimeError(
+                    f"a step of {probe.num_seqs} rows and {probe.num_tokens} tokens, contexts up to "
+                    f"{int(probe.context_lens.max()) + 1}, does not fit on {self.device} beside the weights: "
+                    f"lower {lower}"
+                ) from error
         self._last_sampled = {}
         torch.cuda.synchronize(self.device)
         self.profiled_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before  # the step's own
@@ -303,7 +321,7 @@ class ModelRunner:
                 pad_rows(slots, rows, -1),
             )
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
-        return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), meta, starts
+        return to_device(input_ids, self.device), to_device(positions, self.device), meta, starts
 
     def _section(self, part: str) -> AbstractContextManager[None]:
         return self._profile.section(part) if self._profile is not None else nullcontext()
@@ -372,9 +390,7 @@ class ModelRunner:
         if self._gemm_buckets is not None:
             last = pad_rows(last, self._gemm_buckets.pad(rows.size), 0)
         # [len(rows), vocab]
-        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(last).to(dev)), upcast=False)[
-            : rows.size
-        ]
+        logits = self.model.compute_logits(hidden.index_select(0, to_device(last, dev)), upcast=False)[: rows.size]
         with self._section("sampling"):
             s = plan.sampling
             tokens, lse = self._sample(logits, s, rows)
@@ -411,7 +427,7 @@ class ModelRunner:
             return argmax, lse
         sub = rows[slow]
         dev = logits.device
-        index = torch.from_numpy(slow).to(dev)
+        index = to_device(slow, dev)
 
         processed = process_logits(logits.index_select(0, index).float(), s, sub)
         min_p = s.min_p[sub] if s.min_p.size else None
