@@ -2,14 +2,16 @@
 
 - On CUDA the KV cache is sized from the memory peak of the heaviest step it can be sent: a
   full token budget over `max_num_seqs` rows, every row sampled with top-p, penalties, bias,
-  min-p and alternatives, and prompt log-probabilities. Run here on the CPU with the CUDA
-  memory calls faked: the profile must execute that plan, whole.
+  min-p and alternatives, and prompt log-probabilities; on the torch attention path also
+  `max_num_seqs` rows decoding at the longest context. Run here on the CPU with the CUDA
+  memory calls faked: the profile must execute those plans, whole.
 - On CUDA a warm-up runs a prompt step and a decode step before serving, so Triton compiles
   the decode kernels then, not in the first requests' steps (here through the interpreter,
   counting decode-kernel launches).
 - Sampling decides on the host which rows take which path, and a step copies its results
   from the device once: no call that would wait for a CUDA device inside the sampler, the
-  logit processing or the log-probabilities (a torch function mode records them on the CPU).
+  logit processing or the log-probabilities, and no host-to-device copy in a step that is not
+  queued (a torch function mode records both on the CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from worker_svc import runner as runner_module
 from worker_svc import triton_attention as backend
 from worker_svc.logits_processor import process_logits
 from worker_svc.logprobs import logprob_tensors
-from worker_svc.probe_plans import PROFILE_LOGPROBS, heaviest_step
+from worker_svc.probe_plans import PROFILE_LOGPROBS, heaviest_step, widest_decode_step
 from worker_svc.runner import ModelRunner
 from worker_svc.sampler import sample
 
@@ -93,7 +95,11 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
         cache=CacheConfig(block_size=16, num_cpu_blocks=0),
     )
     runner = ModelRunner(config)
-    assert len(executed.steps) == 1
+    # The torch attention path: the widest decode too, every row at the longest context.
+    assert len(executed.steps) == 2
+    widest, widest_result = executed.steps[1]
+    assert widest.num_seqs == 24 and (widest.query_lens == 1).all()
+    assert (widest.context_lens == runner.max_model_len - 1).all() and (widest_result.sampled_token_ids >= 0).all()
     plan, result = executed.steps[0]
     s = plan.sampling
     assert plan.num_seqs == 24 and plan.num_tokens == 96 and plan.sample.all()
@@ -114,6 +120,37 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
     assert runner.profiled_peak_bytes == 1 * MIB
     assert runner._last_sampled == {}  # noqa: SLF001 (nothing of the probe carries over)
+
+
+def test_a_probe_that_does_not_fit_says_what_to_lower(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
+    execute = ModelRunner.execute
+
+    def short_of_memory(self: ModelRunner, plan: StepPlan) -> StepResult:
+        if int(plan.context_lens.max()) > 0:  # the widest decode
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return execute(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute", short_of_memory)
+    config = WorkerConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+        max_num_batched_tokens=96,
+        max_num_seqs=24,
+        cache=CacheConfig(block_size=16, num_cpu_blocks=0),
+    )
+    with pytest.raises(RuntimeError, match="24 rows .* lower --max-num-seqs or --max-model-len, or use --attention"):
+        ModelRunner(config)
+
+
+def test_the_widest_decode_is_a_valid_plan_within_the_cache() -> None:
+    plan = widest_decode_step(8, 100, 16, 1000, num_blocks=3)
+    plan.validate()
+    assert plan.block_tables.shape == (8, 7) and plan.block_tables.max() == 2 and plan.block_tables.min() == 0
+    assert (plan.context_lens == 100).all() and plan.num_tokens == 8
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), [(96, 24), (2048, 256), (5, 256), (1, 1), (300, 1)])
@@ -171,16 +208,41 @@ WAITS = {
 }
 
 
+def _names_a_device(args: Any, kwargs: dict[str, Any]) -> bool:
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
+
+
 class _Waits(TorchFunctionMode):
+    """Records calls that wait for a device: reads of its values (`calls`), and host-to-device
+    copies that are not queued (`uploads`: on CUDA a plain `.to(device)` or
+    `torch.tensor(..., device=)` is a copy followed by a wait for the stream). On the CPU both
+    kinds run as usual, so the code under test is checked where it runs."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.uploads: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in WAITS:
             self.calls.append(name)
-        return func(*args, **(kwargs or {}))
+        elif name == "to" and not kwargs.get("non_blocking", False) and _names_a_device(args, kwargs):
+            self.uploads.append(name)
+        elif name in ("tensor", "as_tensor") and "device" in kwargs:
+            self.uploads.append(name)
+        return func(*args, **kwargs)
+
+
+def test_the_wait_recorder_sees_blocking_uploads() -> None:
+    with _Waits() as waits:
+        torch.from_numpy(np.zeros(3)).to("cpu")
+        torch.from_numpy(np.zeros(3)).to(device=torch.device("cpu"))
+        torch.tensor([1, 2], device="cpu")
+        torch.from_numpy(np.zeros(3)).to("cpu", non_blocking=True)
+        torch.zeros(3).to(torch.int64)
+    assert waits.uploads == ["to", "to", "tensor"]
 
 
 def test_sampling_logit_processing_and_logprobs_never_wait_for_the_device() -> None:
@@ -197,11 +259,11 @@ def test_sampling_logit_processing_and_logprobs_never_wait_for_the_device() -> N
         tokens = sample(processed, s.temperature, s.top_p, s.top_k, s.seed, s.output_position, s.min_p)
         lse = torch.logsumexp(logits, dim=-1)
         logprob_tensors(logits, lse, tokens, rows, s.num_logprobs)
-    assert waits.calls == []
+    assert waits.calls == [] and waits.uploads == []
     assert tokens.shape == (plan.num_seqs,)
 
 
-def test_a_step_copies_its_results_from_the_device_once(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_queues_its_uploads_and_copies_its_results_back_once(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = ModelRunner(
         WorkerConfig(
             model=str(model_dir),
@@ -233,5 +295,7 @@ def test_a_step_copies_its_results_from_the_device_once(model_dir: Path, monkeyp
             ),
         }
     )
-    result = runner.execute(plan)
+    with _Waits() as waits:
+        result = runner.execute(plan)
     assert copies == [4] and (result.sampled_token_ids >= 0).all()
+    assert waits.uploads == []

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker_svc import host_copy
+
 # Up to this many KV heads the decode path spreads queries block-diagonally (see _decode).
 _BLOCK_DIAGONAL_MAX_KV_HEADS = 8
 
@@ -139,7 +141,7 @@ class PagedAttentionBackend:
     @staticmethod
     def to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A host array of the plan as a device tensor (copied without waiting for the device)."""
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+        return host_copy.to_device(a, device, dtype)
 
 
 class TorchPagedAttention(PagedAttentionBackend):

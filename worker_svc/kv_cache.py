@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.plan import I32
+from worker_svc.host_copy import to_device
 from worker_svc.models.shape import ModelShape
 
 GIB = 1024**3
@@ -125,4 +126,4 @@ class KVCache:
 
     @staticmethod
     def _index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        return torch.from_numpy(ids.astype(np.int64)).to(device)
+        return to_device(ids.astype(np.int64), device)

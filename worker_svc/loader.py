@@ -90,10 +90,9 @@ def resolve_attention_backend(
     """'auto' is triton on CUDA; on the CPU (where Triton only has its slow interpreter) it is
     our C++ kernels when they build here and support the dtype and head size, else torch."""
     if backend == "torch" and device.type == "cuda":
-        # The reference path gathers every decoding sequence's whole context into new tensors,
-        # memory the KV profile (prompt rows only) does not see: leave room with a lower
-        # --gpu-memory-utilization or --kv-cache-gb.
-        log.warning("torch_attention_on_cuda", reason="reference path; its decode gathers each context, unprofiled")
+        # The reference path copies every decoding sequence's whole context each layer: slow,
+        # and the memory profile reserves room for the widest such decode (runner.py).
+        log.warning("torch_attention_on_cuda", reason="reference path; its decode gathers each context")
     if backend != "auto":
         return backend
     if device.type == "cuda":

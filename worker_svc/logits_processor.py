@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.plan import SamplingBatch
+from worker_svc.host_copy import to_device
 
 
 def process_logits(
@@ -38,9 +39,7 @@ def process_logits(
         r, t, v = _ragged(batch.bias_offsets, batch.bias_token_ids, rows, batch.bias_values)
         if r.size:
             # index_put_ with accumulate: a token listed twice gets both biases.
-            out.index_put_(
-                (torch.from_numpy(r).to(dev), torch.from_numpy(t).to(dev)), torch.from_numpy(v).to(dev), accumulate=True
-            )
+            out.index_put_((to_device(r, dev), to_device(t, dev)), to_device(v, dev), accumulate=True)
     if has_history:
         _penalize(out, batch, rows)
     return out
@@ -76,17 +75,17 @@ def _penalize(out: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> None
     lengths = (offsets[rows + 1] - offsets[rows]).astype(np.int64)
     pos = np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     is_output = pos >= np.repeat(lengths - batch.output_position[rows].astype(np.int64), lengths)
-    w = torch.from_numpy(which).to(dev)
-    t = torch.from_numpy(tokens).to(dev)
+    w = to_device(which, dev)
+    t = to_device(tokens, dev)
     seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
     seen[w, t] = True
     counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
     # Output occurrences selected on the host: a boolean index on the device would wait for it.
-    ow, ot = torch.from_numpy(which[is_output]).to(dev), torch.from_numpy(tokens[is_output]).to(dev)
+    ow, ot = to_device(which[is_output], dev), to_device(tokens[is_output], dev)
     counts.index_put_((ow, ot), torch.ones(ow.shape[0], device=dev), accumulate=True)
-    rep = torch.from_numpy(batch.repetition_penalty[rows]).to(dev)[:, None]
+    rep = to_device(batch.repetition_penalty[rows], dev)[:, None]
     penalized = torch.where(out > 0, out / rep, out * rep)
     out.copy_(torch.where(seen, penalized, out))
-    presence = torch.from_numpy(batch.presence_penalty[rows]).to(dev)[:, None]
-    frequency = torch.from_numpy(batch.frequency_penalty[rows]).to(dev)[:, None]
+    presence = to_device(batch.presence_penalty[rows], dev)[:, None]
+    frequency = to_device(batch.frequency_penalty[rows], dev)[:, None]
     out.sub_(presence * (counts > 0) + frequency * counts)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from common.plan import F32, I32
+from worker_svc.host_copy import to_device
 
 
 def logits_stats(logits: torch.Tensor, cpu_kernels: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +51,7 @@ def logprob_tensors(
     if not width:
         empty = logits.new_zeros((0, 0), dtype=torch.float32)
         return chosen, empty, empty.long()
-    index = torch.from_numpy(np.flatnonzero(asked > 0)).to(logits.device)
+    index = to_device(np.flatnonzero(asked > 0), logits.device)
     # The most likely tokens are the largest logits; log-probabilities are logits - lse.
     values, ids = logits.index_select(0, index).float().topk(width, dim=-1)
     return chosen, values - lse.index_select(0, index)[:, None], ids
@@ -127,9 +128,11 @@ def prompt_logprobs(
     # profiled peak (2048 x 128k vocab is 1 GiB, twice with the log-softmax).
     for a in range(0, len(rows), _SLICE):
         b = min(a + _SLICE, len(rows))
-        index = torch.tensor(rows[a:b], device=dev)
+        index = to_device(np.asarray(rows[a:b], np.int64), dev)
         lps = torch.log_softmax(logits_of(hidden.index_select(0, index)).float(), dim=-1)
-        chosen[a:b] = lps.gather(1, torch.tensor(targets[a:b], device=dev).view(-1, 1)).squeeze(1).cpu().numpy()
+        chosen[a:b] = (
+            lps.gather(1, to_device(np.asarray(targets[a:b], np.int64), dev).view(-1, 1)).squeeze(1).cpu().numpy()
+        )
         if width > 0:
             values, ids = lps.topk(width, dim=-1)
             keep = np.arange(width)[None, :] < per_entry[a:b, None]

@@ -1,6 +1,7 @@
 """Plans a worker runs on itself before it serves: the heaviest step it can be sent, whose
-memory peak sizes the KV cache on CUDA, and a small decode step that compiles the decode
-kernels before the first request needs them.
+memory peak sizes the KV cache on CUDA (with the torch attention path, also the widest
+decode, whose gathered contexts can outweigh it), and a small decode step that compiles the
+decode kernels before the first request needs them.
 
 The heaviest step is the one the scheduler can build at the worker's limits: a prompt chunk
 filling the token budget beside as many other rows as `max_num_seqs` allows, every row
@@ -70,22 +71,51 @@ def heaviest_step(tokens: int, max_num_seqs: int, block_size: int, vocab_size: i
     return plan, int(blocks_of.sum())
 
 
-def decode_step(block_size: int, vocab_size: int) -> StepPlan:
-    """One sequence decoding one token after a block and a half of context, in blocks 0-1."""
-    context = block_size + block_size // 2
+def decode_step(block_size: int, vocab_size: int, num_seqs: int = 1, width: int = 2) -> StepPlan:
+    """`num_seqs` sequences each decoding one token after a block and a half of context (less
+    in a table one block wide), all in blocks 0-1, through block tables `width` wide (-1 past
+    block 1): the width and the row count, not the contents, pick the decode kernel's split."""
+    context = min(block_size + block_size // 2, width * block_size - 1)
+    tables = np.full((num_seqs, width), -1, np.int32)
+    tables[:, : min(width, 2)] = np.arange(min(width, 2), dtype=np.int32)
     return StepPlan(
         step_id=0,
-        seq_ids=np.zeros(1, np.int64),
-        query_lens=np.ones(1, np.int32),
-        context_lens=np.full(1, context, np.int32),
-        input_ids=np.full(1, min(1, vocab_size - 1), np.int32),
-        block_tables=np.arange(2, dtype=np.int32)[None, :],
-        sample=np.ones(1, np.uint8),
+        seq_ids=np.arange(num_seqs, dtype=np.int64),
+        query_lens=np.ones(num_seqs, np.int32),
+        context_lens=np.full(num_seqs, context, np.int32),
+        input_ids=np.full(num_seqs, min(1, vocab_size - 1), np.int32),
+        block_tables=tables,
+        sample=np.ones(num_seqs, np.uint8),
         sampling=SamplingBatch(
-            temperature=np.zeros(1, np.float32),
-            top_p=np.ones(1, np.float32),
-            top_k=np.zeros(1, np.int32),
-            seed=np.zeros(1, np.int64),
-            output_position=np.zeros(1, np.int32),
+            temperature=np.zeros(num_seqs, np.float32),
+            top_p=np.ones(num_seqs, np.float32),
+            top_k=np.zeros(num_seqs, np.int32),
+            seed=np.zeros(num_seqs, np.int64),
+            output_position=np.zeros(num_seqs, np.int32),
+        ),
+    )
+
+
+def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int, num_blocks: int) -> StepPlan:
+    """`rows` sequences each decoding one token after `context` tokens: what the torch
+    attention path gathers the most for (it copies each decoding row's whole context, padded
+    to the longest). The block tables cycle over `num_blocks` blocks, since the gather's size
+    depends on the table widths, not on which blocks they name."""
+    width = -(-(context + 1) // block_size)
+    tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
+    return StepPlan(
+        step_id=0,
+        seq_ids=np.arange(rows, dtype=np.int64),
+        query_lens=np.ones(rows, np.int32),
+        context_lens=np.full(rows, context, np.int32),
+        input_ids=np.full(rows, min(1, vocab_size - 1), np.int32),
+        block_tables=tables,
+        sample=np.ones(rows, np.uint8),
+        sampling=SamplingBatch(
+            temperature=np.zeros(rows, np.float32),
+            top_p=np.ones(rows, np.float32),
+            top_k=np.zeros(rows, np.int32),
+            seed=np.zeros(rows, np.int64),
+            output_position=np.zeros(rows, np.int32),
         ),
     )

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_svc.host_copy import to_device
+
 _M32 = 0xFFFFFFFF
 
 
@@ -68,9 +70,9 @@ def sample(
     dev = logits.device
 
     def put(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[random])).to(dev)
+        return to_device(np.asarray(a)[random], dev)
 
-    rows = torch.from_numpy(random).to(dev)
+    rows = to_device(random, dev)
     scaled = logits.index_select(0, rows) / put(temperature)[:, None]
     if min_p is not None and bool((np.asarray(min_p)[random] > 0).any()):
         # min-p on the temperature-scaled distribution, before top-k and top-p (vLLM's order).
@@ -81,11 +83,11 @@ def sample(
     picked = torch.empty(random.size, dtype=torch.int64, device=dev)
     plain = np.flatnonzero(~truncated)
     if plain.size:
-        at = torch.from_numpy(plain).to(dev)
+        at = to_device(plain, dev)
         picked[at] = _inverse_cdf(torch.softmax(scaled[at], dim=-1), u[at])
     trunc = np.flatnonzero(truncated)
     if trunc.size:
-        at = torch.from_numpy(trunc).to(dev)
+        at = to_device(trunc, dev)
         picked[at] = _sample_truncated(scaled[at], put(top_k)[at], put(top_p)[at], u[at])
     tokens[rows] = picked
     return tokens
