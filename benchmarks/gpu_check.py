@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py --out gpu_check.json          # on a CUDA machine, < 10 min
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke    # tiny shapes on CPU: checks the script
 
-Measures, in one JSON file:
+Measures, in one JSON file (a section that fails is recorded with its error under its name,
+listed in failed_sections, and the rest still run):
   copy_bandwidth   device-to-device copy of a large buffer (bytes read + written per second)
   decode           paged_decode_attention, batch 64 x 4k context (32 query / 8 KV heads of 128),
                    plus a medium and a small case, against SDPA on contiguous tensors; target:
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -534,62 +536,87 @@ def main(argv: list[str] | None = None) -> int:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=2) + "\n")
 
+    failed: list[str] = []
+
+    def section(name: str, measure: Callable[[], Any]) -> Any:
+        """Runs one section into result[name]; one that raises is recorded there with its
+        error and the rest still run (a device run is rarely repeated)."""
+        try:
+            result[name] = measure()
+        except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the run
+            failed.append(name)
+            result[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+            print(f"{name} FAILED: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        save()
+        return result[name]
+
     if cuda and not args.skip_tests:
-        result["kernel_tests"] = run_kernel_tests()
-        print("kernel tests:", result["kernel_tests"]["summary"], flush=True)
-        save()
-    copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30), iters)
-    peak = matmul_peak(device, 256 if args.smoke else 8192, iters)
-    result["copy_bandwidth_bytes_per_s"] = copy_bw
-    result["bf16_matmul_peak_flops_per_s"] = peak
-    decode_cases = [(2, 64)] if args.smoke else [(64, 4096), (16, 1024), (4, 256)]
-    result["decode"] = [bench_decode(b, c, device, iters, *((4, 2, 64) if args.smoke else ())) for b, c in decode_cases]
-    for case in result["decode"]:
-        case["fraction_of_copy_bandwidth"] = case["ours_bytes_per_s"] / copy_bw
-        print(
-            f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
-            f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us",
-            flush=True,
-        )
-    save()
-    prefill_cases = [(2, 48)] if args.smoke else [(4, 2048), (1, 8192)]
-    result["prefill"] = [
-        bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in prefill_cases
-    ]
-    for case in result["prefill"]:
-        case["fraction_of_matmul_peak"] = case["ours_flops_per_s"] / peak
-        print(
-            f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
-            f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}",
-            flush=True,
-        )
-    save()
-    result["large_cache"] = check_large_cache(device, args.smoke)
-    print("large cache:", json.dumps(result["large_cache"]), flush=True)
-    save()
-    result["token_limit"] = check_token_limit(device, args.smoke)
-    save()
+        section("kernel_tests", run_kernel_tests)
+        print("kernel tests:", result["kernel_tests"].get("summary", result["kernel_tests"].get("error")), flush=True)
+    copy_bw = section(
+        "copy_bandwidth_bytes_per_s", lambda: copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30), iters)
+    )
+    peak = section("bf16_matmul_peak_flops_per_s", lambda: matmul_peak(device, 256 if args.smoke else 8192, iters))
+
+    def decode() -> list[dict[str, Any]]:
+        cases = [(2, 64)] if args.smoke else [(64, 4096), (16, 1024), (4, 256)]
+        measured = [bench_decode(b, c, device, iters, *((4, 2, 64) if args.smoke else ())) for b, c in cases]
+        for case in measured:
+            case["fraction_of_copy_bandwidth"] = case["ours_bytes_per_s"] / copy_bw
+            print(
+                f"decode b={case['batch']} ctx={case['context']}: {case['ours_s'] * 1e6:.0f} us, "
+                f"{case['fraction_of_copy_bandwidth']:.0%} of copy bandwidth, "
+                f"sdpa {case['sdpa_contiguous_s'] * 1e6:.0f} us",
+                flush=True,
+            )
+        return measured
+
+    def prefill() -> list[dict[str, Any]]:
+        cases = [(2, 48)] if args.smoke else [(4, 2048), (1, 8192)]
+        measured = [bench_prefill(s, n, device, iters, *((4, 2, 64) if args.smoke else ())) for s, n in cases]
+        for case in measured:
+            case["fraction_of_matmul_peak"] = case["ours_flops_per_s"] / peak
+            print(
+                f"prefill {case['seqs']}x{case['length']}: {case['ours_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+                f"{case['fraction_of_matmul_peak']:.0%} of peak, sdpa {case['sdpa_flops_per_s'] / 1e12:.1f}",
+                flush=True,
+            )
+        return measured
+
+    section("decode", decode)
+    section("prefill", prefill)
+    print("large cache:", json.dumps(section("large_cache", lambda: check_large_cache(device, args.smoke))), flush=True)
+    section("token_limit", lambda: check_token_limit(device, args.smoke))
     with tempfile.TemporaryDirectory() as model_dir:
-        shape = make_model(model_dir, device, args.smoke)
-        result["e2e"] = bench_e2e(model_dir, shape, device, args.smoke, steps=4 if args.smoke else 128)
-        print("e2e:", json.dumps(result["e2e"]), flush=True)
-        save()
-        if cuda:
-            result["sampling_peak"] = check_sampling_peak(model_dir, device)
-            print("sampling peak:", json.dumps(result["sampling_peak"]), flush=True)
-            save()
-        if torch.cuda.device_count() >= 2 or args.smoke:
-            result["tensor_parallel"] = check_tensor_parallel(model_dir, device, args.smoke)
-            print("tensor parallel:", json.dumps(result["tensor_parallel"]), flush=True)
-    result["targets"] = {
-        "decode_64x4k_fraction_of_copy_bandwidth": result["decode"][0]["fraction_of_copy_bandwidth"],
-        "decode_target_met": result["decode"][0]["fraction_of_copy_bandwidth"] >= 0.6,
-        "prefill_fraction_of_peak": result["prefill"][0]["fraction_of_matmul_peak"],
-        "prefill_target_met": result["prefill"][0]["fraction_of_matmul_peak"] >= 0.4,
-    }
+        shape = section("model", lambda: make_model(model_dir, device, args.smoke))
+        if "model" not in failed:
+            e2e = section(
+                "e2e", lambda: bench_e2e(model_dir, shape, device, args.smoke, steps=4 if args.smoke else 128)
+            )
+            print("e2e:", json.dumps(e2e), flush=True)
+            if cuda:
+                print(
+                    "sampling peak:",
+                    json.dumps(section("sampling_peak", lambda: check_sampling_peak(model_dir, device))),
+                    flush=True,
+                )
+            if torch.cuda.device_count() >= 2 or args.smoke:
+                tp = section("tensor_parallel", lambda: check_tensor_parallel(model_dir, device, args.smoke))
+                print("tensor parallel:", json.dumps(tp), flush=True)
+
+    def targets() -> dict[str, Any]:
+        return {
+            "decode_64x4k_fraction_of_copy_bandwidth": result["decode"][0]["fraction_of_copy_bandwidth"],
+            "decode_target_met": result["decode"][0]["fraction_of_copy_bandwidth"] >= 0.6,
+            "prefill_fraction_of_peak": result["prefill"][0]["fraction_of_matmul_peak"],
+            "prefill_target_met": result["prefill"][0]["fraction_of_matmul_peak"] >= 0.4,
+        }
+
+    section("targets", targets)
+    result["failed_sections"] = failed
     save()
     print(f"wrote {out_path}")
-    return 0 if result.get("kernel_tests", {}).get("returncode", 0) == 0 else 1
+    return 0 if not failed and result.get("kernel_tests", {}).get("returncode", 0) == 0 else 1
 
 
 if __name__ == "__main__":
