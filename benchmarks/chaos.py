@@ -191,6 +191,26 @@ async def _undisturbed(stub: Any, request: Any, n: int) -> list[list[int]]:
     return out
 
 
+async def _wait_for_groups(stub: Any, count: int, timeout: float = 120.0) -> None:
+    """Until `count` worker groups are ready. While none is, GetLoad itself is UNAVAILABLE
+    (every worker down or restarting at once, as chaos leaves them at times)."""
+    import grpc
+
+    from common.pb.llmserve.v1 import generation_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if len((await stub.GetLoad(pb.GetLoadRequest())).groups) >= count:
+                return
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} worker groups ready after {timeout:.0f} s")
+        await asyncio.sleep(0.2)
+
+
 async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, Any]:
     import grpc
 
@@ -218,8 +238,7 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
         await _wait_serving(cluster.address, cluster.scheduler)
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            while len((await stub.GetLoad(pb.GetLoadRequest())).groups) < args.workers:
-                await asyncio.sleep(0.2)
+            await _wait_for_groups(stub, args.workers)
             for item in tqdm(pool, desc="undisturbed runs", unit="prompt", file=sys.stderr):
                 item["expected"] = await _undisturbed(stub, item["greedy"], 1)
                 item["expected_samples"] = await _undisturbed(stub, item["samples"], 2)
@@ -236,8 +255,7 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
             await asyncio.gather(load.run(until, args.concurrency), chaos.run(until), sample_memory())
             elapsed = time.monotonic() - start
             # Every worker back (none frozen or down), then every block free.
-            while len((await stub.GetLoad(pb.GetLoadRequest())).groups) < args.workers:
-                await asyncio.sleep(0.5)
+            await _wait_for_groups(stub, args.workers)
             deadline = time.monotonic() + 60
             while True:
                 m = cluster.metrics()
