@@ -263,7 +263,9 @@ def test_sampling_logit_processing_and_logprobs_never_wait_for_the_device() -> N
     assert tokens.shape == (plan.num_seqs,)
 
 
-def test_a_step_queues_its_uploads_and_copies_its_results_back_once(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_queues_its_uploads_and_copies_its_results_back_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = ModelRunner(
         WorkerConfig(
             model=str(model_dir),
