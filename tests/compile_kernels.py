@@ -32,6 +32,8 @@ from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel
 from kernels.prefill_attention import _prefill_kernel, prefill_launch
 from kernels.rms_norm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
+from kernels.token_mask import BLOCK as TOKEN_MASK_BLOCK
+from kernels.token_mask import _token_bitmask_kernel
 
 # Triton 3.9 warns unless this is set; 1 keeps its (and the worker's) default, FMA contraction.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -40,6 +42,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
 INT64_POINTERS = {"slot_ptr", "positions_ptr", "sorted_ids_ptr", "block_expert_ptr"}
 FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr", "weights_ptr"}
+BITMASK_POINTERS = {"masks_ptr"}  # int32 words of packed bits: data, not indices
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Values that grow with the batch: the program id along grid axis 0 (a token, a sequence or a
@@ -90,6 +93,8 @@ def signature(
             sig[p] = "*i32"
         elif p in INT64_POINTERS:
             sig[p] = "*i64"
+        elif p in BITMASK_POINTERS:
+            sig[p] = "*i32"
         elif p in FP32_POINTERS:
             sig[p] = "*fp32"
         elif p.endswith("_ptr"):
@@ -214,6 +219,16 @@ def silu_case(dtype: str) -> Case:
     )
 
 
+def token_mask_case(dtype: str, vocab: int = 49152) -> Case:
+    """Grammar masks over the logits' rows: a row's stride is the vocabulary (SmolLM2's 49152 is
+    a multiple of 16, as is its 1536 words of mask)."""
+    words = -(-vocab // 32)
+    aligned = {"stride_logits", "vocab"} if vocab % 16 == 0 else set()
+    aligned |= {"stride_masks"} if words % 16 == 0 else set()
+    name = f"token_mask-v{vocab}"
+    return Case(name, _token_bitmask_kernel, dtype, dict(BLOCK=TOKEN_MASK_BLOCK), aligned=frozenset(aligned))
+
+
 def moe_cases(dtype: str) -> list[Case]:
     """The two grouped GEMMs of a mixture-of-experts block: gate/up (A rows per top_k pairs),
     then down with the routing weights."""
@@ -251,6 +266,7 @@ def worker_cases(
             out += hidden_cases(hidden, dtype)
         out.append(silu_case(dtype))
         out += moe_cases(dtype)
+        out.append(token_mask_case(dtype))
     return out
 
 
@@ -271,6 +287,7 @@ def cases() -> list[Case]:
         out += [c for c in attention_cases(80, dtype) if not c.name.startswith("decode_merge")]
     out += [attention_cases(128, "bf16")[1], *layer_cases(80, "bf16")[:1], layer_cases(128, "bf16")[1]]
     out += [hidden_cases(1000, "bf16")[1], silu_case("bf16"), *moe_cases("bf16")]
+    out += [token_mask_case("bf16", vocab=49155), token_mask_case("fp32")]
     return out
 
 
