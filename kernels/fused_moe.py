@@ -59,7 +59,9 @@ def align_by_expert(
     return sorted_ids, block_expert
 
 
-@triton.jit
+# The pair count (tokens x top_k) follows the step: not specialised, so a step of one token
+# with one choice, or of a multiple of 16 pairs, runs the kernel the others run.
+@triton.jit(do_not_specialize=["pairs"])
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,

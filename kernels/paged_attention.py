@@ -58,7 +58,12 @@ def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -
     return Launch(rows=rows, keys=16, num_warps=16, num_stages=3)
 
 
-@triton.jit
+# Triton compiles a variant per distinct specialisation of its integer arguments (== 1, a
+# multiple of 16). The block-table width (stride_bt) and the split count follow the batch, so
+# they are not specialised: every decode step of a model runs one compiled partial kernel.
+# tokens_per_split also changes, but the wrapper rounds it to whole tiles (a multiple of 16,
+# never 1), so its divisibility hint is the same at every step and stays for the gathers.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_partial_kernel(
     q_ptr,
     k_cache_ptr,
@@ -153,7 +158,9 @@ def _decode_partial_kernel(
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+# The split count is not specialised (see _decode_partial_kernel); SPLITS_PAD (merge_pad) is
+# a tile extent, so each of its values is a variant: decode_shapes lists a step for each.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     acc_ptr,
     max_ptr,
@@ -202,6 +209,38 @@ def default_num_splits(
     want = -(-units // max(1, num_seqs * num_kv_heads))
     tiles = -(-(max_blocks * block_size) // tile)
     return max(1, min(want, tiles, 64))
+
+
+def merge_pad(splits: int) -> int:
+    """The merge kernel's split tile (its SPLITS_PAD): one compiled variant per value."""
+    return pow2(splits, 2)
+
+
+def decode_shapes(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    max_num_seqs: int,
+    max_blocks: int,
+) -> dict[int, tuple[int, int]]:
+    """merge_pad -> a decode batch (num_seqs, block-table width) whose launch picks it, for
+    every merge variant a batch of up to `max_num_seqs` and `max_blocks` can pick (the
+    worker's warm-up runs each, so that no later step compiles one).
+
+    default_num_splits falls with the number of sequences and rises with the table width, so
+    each of its values is reached by one sequence at some width or by more sequences at the
+    widest table: walking those two edges finds them all. Widest first, so that a shape's
+    table holds a block and a half of context where it can.
+    """
+    tile = decode_launch(head_dim, dtype, num_heads // num_kv_heads, device.type == "cuda").keys
+    edges = [(1, w) for w in range(max_blocks, 0, -1)] + [(n, max_blocks) for n in range(2, max_num_seqs + 1)]
+    shapes: dict[int, tuple[int, int]] = {}
+    for n, w in edges:
+        shapes.setdefault(merge_pad(default_num_splits(n, num_kv_heads, w, block_size, tile, device)), (n, w))
+    return shapes
 
 
 def paged_decode_attention(
@@ -286,7 +325,7 @@ def paged_decode_attention(
         out.stride(1),
         num_heads,
         splits,
-        SPLITS_PAD=pow2(splits, 2),
+        SPLITS_PAD=merge_pad(splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pow2(head_dim, 16),
     )

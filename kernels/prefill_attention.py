@@ -63,7 +63,10 @@ def prefill_launch(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Launch:
     return Launch(rows=128, keys=32 if wide else 64, num_warps=8, num_stages=3)
 
 
-@triton.jit
+# The number of sequences and the block-table width (stride_bt) follow the batch: not
+# specialised (Triton would compile a variant for 1 and for multiples of 16), so every step
+# of a model runs one compiled kernel.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

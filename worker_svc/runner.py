@@ -130,15 +130,39 @@ class ModelRunner:
         return self.device.type == "cuda"
 
     def _warm_up(self) -> None:
-        """A prompt step and a decode step after it, in blocks 0-1, before any sequence owns them."""
+        """A prompt step, then a decode step for each compiled variant of the decode kernels a
+        step can pick (_warm_up_decodes), in blocks 0-1, before any sequence owns them."""
         if self.kv.num_blocks < 2:
             return
         context = self.block_size + self.block_size // 2
         prompt, _ = heaviest_step(context, 1, self.block_size, self.shape.vocab_size)
-        for plan in (prompt, decode_step(self.block_size, self.shape.vocab_size)):
+        shapes = self._warm_up_decodes()
+        for plan in (prompt, *(decode_step(self.block_size, self.shape.vocab_size, n, w) for n, w in shapes)):
             self.execute(plan)
         self._last_sampled = {}
-        log.info("worker_warmed_up", steps=("prompt", "decode"))
+        log.info("worker_warmed_up", steps=("prompt", *(f"decode {n}x{w}" for n, w in shapes)))
+
+    def _warm_up_decodes(self) -> list[tuple[int, int]]:
+        """(sequences, block-table width) of the warm-up's decode steps. The Triton kernels'
+        step-sized integers are not specialised (kernels/*.py), so what still picks a variant
+        is the decode merge's split tile: one step for each value the split heuristic can
+        choose within max_num_seqs and the widest table (kernels.paged_attention.decode_shapes).
+        """
+        if self.attention_backend != "triton":
+            return [(1, 2)]
+        s = self.shape
+        widest = -(-self.max_model_len // self.block_size)
+        shapes = decode_shapes(
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
+            self.block_size,
+            self.config.max_num_seqs,
+            widest,
+        )
+        return sorted(shapes.values())
 
     def _use_graphs(self) -> bool:
         # Profiling synchronizes the device at every part, which a capture cannot contain.
