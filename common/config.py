@@ -78,6 +78,9 @@ class SchedulerConfig:
     block_size: int = 0
     # Plan the next step while the current one runs, when its result cannot change that plan.
     plan_ahead: bool = True
+    # Structured outputs: the longest run of whitespace a JSON output may hold between tokens
+    # (JSON allows any; a model that starts emitting it may not stop).
+    json_max_whitespace: int = 4
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
@@ -92,6 +95,7 @@ class SchedulerConfig:
         for name in ("max_prompt_tokens", "max_stop_strings", "max_logprobs", "max_n"):
             _require(getattr(self, name) >= 0, f"{name} must not be negative")
         _require(self.max_n >= 1, "max_n must be at least 1")
+        _require(self.json_max_whitespace >= 0, "json_max_whitespace must not be negative")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
 

@@ -64,6 +64,11 @@ class SamplingBatch:
     # position that is prompt_next_token (-1 when the chunk ends the prompt).
     prompt_logprobs: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
     prompt_next_token: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Structured outputs: sequence i's sampled token must be allowed by token_masks[mask_rows[i]]
+    # (-1 = unconstrained; empty = none anywhere), packed bitmasks [k, ceil(vocab / 32)] whose
+    # bit j of word w allows token 32 w + j. The scheduler's grammar matchers fill them.
+    mask_rows: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    token_masks: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
     @classmethod
     def empty(cls) -> SamplingBatch:
@@ -148,6 +153,15 @@ class StepPlan:
                 )
         if self.sampling.bias_values.shape != self.sampling.bias_token_ids.shape:
             raise ValueError("plan.sampling.bias_values must match bias_token_ids")
+        rows, masks = self.sampling.mask_rows, self.sampling.token_masks
+        if rows.shape not in ((n,), (0,)) or masks.ndim != 2:
+            raise ValueError("plan.sampling.mask_rows must have one entry per sequence, or none")
+        if rows.size:
+            masked = rows[rows >= 0]
+            if int(rows.min()) < -1 or np.unique(masked).size != masked.size or masked.size != masks.shape[0]:
+                raise ValueError("plan.sampling.mask_rows must name each row of token_masks once, -1 elsewhere")
+            if not self.sample[rows >= 0].all():
+                raise ValueError("plan.sampling.mask_rows constrains a sequence that samples nothing this step")
         for name in ("swap_out", "swap_in", "copy"):
             ops = getattr(self, name)
             if ops.ndim != 2 or ops.shape[1] != 2:

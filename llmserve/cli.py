@@ -143,6 +143,12 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="plan each step only after the previous step's result (default: plan it while that step runs)",
     )
+    p.add_argument(
+        "--json-max-whitespace",
+        type=int,
+        default=4,
+        help="longest run of whitespace a JSON structured output may hold between tokens (default 4)",
+    )
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -524,6 +530,7 @@ def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         max_logprobs=a.max_logprobs,
         max_n=a.max_n,
         plan_ahead=a.plan_ahead,
+        json_max_whitespace=a.json_max_whitespace,
         # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
         block_size=a.block_size,
     )

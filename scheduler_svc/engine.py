@@ -24,6 +24,7 @@ from common.model_spec import ModelSpec
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.fleet import Fleet
+from scheduler_svc.grammar import Grammar, GrammarCompiler
 from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.load import GroupActivity, Load, ModelInfo
 from scheduler_svc.metrics import SchedulerMetrics
@@ -72,6 +73,7 @@ class Engine:
         )
         self._arrivals = itertools.count()
         self._draining = False
+        self._grammars = GrammarCompiler(spec.path, spec.vocab_size, spec.eos_token_ids, config.json_max_whitespace)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -150,7 +152,7 @@ class Engine:
 
         `cause` names why the caller went away when this generator is cancelled (the API
         knows: a deadline, a cancel); it goes into the request_aborted log line."""
-        stream = self._admit(req)
+        stream = self._admit(req, await self._grammar(req))
         # Every log line of this handler's task carries the request id from here on.
         structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         done = False
@@ -182,7 +184,16 @@ class Engine:
             if not done:
                 self._abort(stream)
 
-    def _admit(self, req: GenerationRequest) -> RequestStream:
+    async def _grammar(self, req: GenerationRequest) -> Grammar | None:
+        """The structured output's matcher: the cheap refusals first, then the compile, off the
+        event loop (the first one loads xgrammar and the tokenizer's vocabulary, seconds)."""
+        spec = req.structured_output
+        if spec is None:
+            return None
+        spec.check()
+        return await asyncio.to_thread(self._grammars.grammar, spec)
+
+    def _admit(self, req: GenerationRequest, grammar: Grammar | None = None) -> RequestStream:
         if self._draining:
             raise Unavailable("the server is shutting down")
         ready = self.replicas
@@ -208,6 +219,7 @@ class Engine:
             sampling=sampling,
             stopping=stopping_params(req),
             arrival=arrival,
+            grammar=grammar,
         )
         group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
         # The caller's trace ids (bound by the API handler) go on the request's lines that the

@@ -13,6 +13,7 @@ import numpy as np
 
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.grammar import fill_masks
 from scheduler_svc.sequence import Sequence
 
 
@@ -25,6 +26,7 @@ class PlanBuilder:
         self._biased: list[int] = []  # rows with a logit bias or a min_tokens ban
         self._penalized: list[int] = []  # rows whose penalties need the token history
         self._prompt_scored: list[int] = []  # rows that asked for prompt log-probabilities
+        self._constrained: list[int] = []  # rows with a structured output's grammar
 
     def build(self, step_id: int, seqs: list[Sequence], query_lens: list[int]) -> StepPlan:
         """Sequence i feeds tokens [computed, computed + query_lens[i]) of its token list."""
@@ -37,6 +39,7 @@ class PlanBuilder:
             self._biased = [i for i, q in enumerate(seqs) if q.sampling.logit_bias or q.stopping.min_tokens]
             self._penalized = [i for i, q in enumerate(seqs) if q.sampling.penalized]
             self._prompt_scored = [i for i, q in enumerate(seqs) if q.sampling.prompt_logprobs is not None]
+            self._constrained = [i for i, q in enumerate(seqs) if q.grammar is not None]
             self._rows_epoch = -1
         if self._rows_epoch != bm.rows_epoch:
             self._static["rows"] = bm.rows_of(ids)
@@ -64,6 +67,7 @@ class PlanBuilder:
         bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
         history = _history(seqs, [i for i in self._penalized if sample[i]], n)
         prompt_asked, prompt_next = _prompt_scoring(seqs, computed, query_lens, self._prompt_scored)
+        mask_rows, token_masks = _masks(seqs, [i for i in self._constrained if sample[i]], n)
         swap_out, swap_in, copy = bm.take_ops()
         return StepPlan(
             step_id=step_id,
@@ -92,6 +96,8 @@ class PlanBuilder:
                 history_token_ids=history[1],
                 prompt_logprobs=prompt_asked,
                 prompt_next_token=prompt_next,
+                mask_rows=mask_rows,
+                token_masks=token_masks,
             ),
             swap_out=swap_out,
             swap_in=swap_in,
@@ -101,6 +107,7 @@ class PlanBuilder:
 
 _NONE_I32 = np.zeros(0, np.int32)
 _NONE_F32 = np.zeros(0, np.float32)
+_NO_MASKS = np.zeros((0, 0), np.int32)
 
 
 def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,6 +127,18 @@ def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np
         ids.extend(t for t, _ in pairs)
         values.extend(v for _, v in pairs)
     return np.cumsum(counts, dtype=np.int32), np.array(ids, np.int32), np.array(values, np.float32)
+
+
+def _masks(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mask_rows [n], token_masks [len(rows), words]): what each constrained row that samples
+    may draw next. Never planned ahead (Scheduler._plan_ahead), so each grammar has seen every
+    token before the one this step samples."""
+    if not rows:
+        return _NONE_I32, _NO_MASKS
+    mask_rows = np.full(n, -1, np.int32)
+    mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
+    grammars = [seqs[i].grammar for i in rows]
+    return mask_rows, fill_masks([g for g in grammars if g is not None])
 
 
 def _history(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:

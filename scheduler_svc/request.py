@@ -15,6 +15,7 @@ from common.config import SchedulerConfig
 from common.errors import InvalidArgument, Unimplemented
 from common.model_spec import ModelSpec
 from scheduler_svc.sequence import FinishReason, SamplingParams, StoppingParams
+from scheduler_svc.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class GenerationRequest:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the text stop strings are matched against
+    structured_output: StructuredOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,15 @@ def _check_processing(req: GenerationRequest, limits: Limits) -> None:
             raise InvalidArgument(f"sampling.logit_bias[{token}]", f"bias must lie in [-100, 100], got {bias}")
     if req.max_tokens and req.min_tokens > req.max_tokens:
         raise InvalidArgument("stopping.min_tokens", f"{req.min_tokens} exceeds max_tokens ({req.max_tokens})")
+    so = req.structured_output
+    if so is not None:
+        so.check()
+        if req.beam_width > 1:
+            raise Unimplemented(f"{so.field}: structured outputs with beam search are not supported")
+        if req.min_tokens:
+            # The grammar decides where the output may end; banning its stop token before then
+            # could leave nothing it allows.
+            raise InvalidArgument("stopping.min_tokens", f"cannot be combined with {so.field}")
 
 
 def _check_width(req: GenerationRequest, limits: Limits) -> None:

@@ -290,7 +290,12 @@ class Scheduler:
                 continue
             group = seq.group
             assert group is not None
-            if group.width > 1 or seq.sampling.penalized or seq.sampling.prompt_logprobs is not None:
+            if (
+                group.width > 1
+                or seq.sampling.penalized
+                or seq.sampling.prompt_logprobs is not None
+                or seq.grammar is not None  # its next mask follows the token in flight
+            ):
                 return False
         saved = [s.num_computed_tokens for s in record.seqs]
         self._advance(record)
@@ -437,6 +442,12 @@ class Scheduler:
                 continue
             token, logprob = sampled[i], logprobs[i]
             seq.token_ids.append(token)
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # The worker applied this grammar's mask, so only a broken worker gets here:
+                # end the output (finish reason aborted) rather than stream one that does not match.
+                ended = self.finish_seq(seq.seq_id, FinishReason.ABORTED)
+                events.append(TokenEvent(seq, token, logprob, FinishReason.ABORTED, ended, ()))
+                continue
             seq.cumulative_logprob += logprob
             k = seq.sampling.logprobs
             top = (
@@ -446,7 +457,11 @@ class Scheduler:
             )
             # The common case, a token that neither stops nor reaches a limit, costs one set
             # lookup and one comparison; the rules themselves are Sequence.end_reason.
-            reason = seq.end_reason(token) if token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit else None
+            reason = (
+                seq.end_reason(token)
+                if token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit or seq.grammar is not None
+                else None
+            )
             if reason is None:
                 events.append(TokenEvent(seq, token, logprob, None, False, top))
                 continue

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from scheduler_svc.grammar import Grammar
     from scheduler_svc.sequence_group import SequenceGroup
 
 _U64 = (1 << 64) - 1
@@ -106,6 +107,9 @@ class Sequence:
     # Tokens as an int32 buffer and how many of them are filled in: kept only for penalized
     # sequences, whose history every sampling step sends to the worker.
     token_buffer: tuple[np.ndarray, int] = field(default_factory=lambda: (_EMPTY, 0), repr=False)
+    # A structured output's matcher, advanced with every token appended (None: unconstrained).
+    # It lives here, not on a worker, so preemption and recovery elsewhere keep it.
+    grammar: Grammar | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -136,6 +140,8 @@ class Sequence:
         stopping = self.stopping
         if token is not None and token in self.stop_ids and self.num_output_tokens > stopping.min_tokens:
             return FinishReason.STOP
+        if token is not None and self.grammar is not None and self.grammar.terminated:
+            return FinishReason.STOP  # the grammar is complete (its stop token accepted)
         if stopping.max_tokens is not None and self.num_output_tokens + ahead >= stopping.max_tokens:
             return FinishReason.LENGTH
         if self.num_tokens + ahead >= self.token_limit:
@@ -164,4 +170,5 @@ class Sequence:
             group=self.group,
             stop_ids=self.stop_ids,
             token_limit=self.token_limit,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )

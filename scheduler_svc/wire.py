@@ -17,6 +17,7 @@ from scheduler_svc.load import Load, ModelInfo
 from scheduler_svc.registry import Registration
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput
 
 _FINISH = {
     None: gen_pb.FINISH_REASON_UNSPECIFIED,
@@ -55,7 +56,18 @@ def generation_request(msg: gen_pb.GenerateRequest) -> GenerationRequest:
         logit_bias=tuple(sorted(msg.sampling.logit_bias.items())),
         min_tokens=msg.stopping.min_tokens,
         include_stop_str_in_output=msg.stopping.include_stop_str_in_output,
+        structured_output=_structured_output(msg),
     )
+
+
+def _structured_output(msg: gen_pb.GenerateRequest) -> StructuredOutput | None:
+    kind = msg.structured_output.WhichOneof("kind") if msg.HasField("structured_output") else None
+    if kind is None or (kind == "json_object" and not msg.structured_output.json_object):
+        return None
+    so = msg.structured_output
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(so.choice.choices))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(so, kind))
 
 
 def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
@@ -121,6 +133,9 @@ def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
             history_token_ids=pack(s.history_token_ids, np.int32),
             prompt_logprobs=pack(s.prompt_logprobs, np.int32),
             prompt_next_token=pack(s.prompt_next_token, np.int32),
+            mask_rows=pack(s.mask_rows, np.int32),
+            token_masks=pack(s.token_masks, np.int32),
+            token_mask_words=s.token_masks.shape[1],
         ),
         swap_out=pack(plan.swap_out, np.int32),
         swap_in=pack(plan.swap_in, np.int32),

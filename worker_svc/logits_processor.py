@@ -1,7 +1,8 @@
 """Logit processing before sampling, from what the plan carries (the worker keeps no history).
 
 Order, as vLLM applies it: logit bias (and min_tokens bans) -> repetition penalty ->
-presence and frequency penalties; the sampler then applies temperature, min-p, top-k, top-p.
+presence and frequency penalties -> a structured output's token mask (-inf on every token its
+grammar does not allow next); the sampler then applies temperature, min-p, top-k, top-p.
 Greedy rows see the processed logits too. Log-probabilities returned to clients are taken
 from the raw logits, before any of this.
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from common.plan import SamplingBatch
+from kernels.token_mask import apply_token_bitmask_, apply_token_bitmask_reference
 from worker_svc.host_copy import to_device
 
 
@@ -31,7 +33,9 @@ def process_logits(
         return logits
     has_bias = batch.bias_offsets.size and int(batch.bias_offsets[-1]) > 0
     has_history = batch.history_offsets.size and int(batch.history_offsets[-1]) > 0
-    if not has_bias and not has_history:
+    mask_of = batch.mask_rows[rows] if batch.mask_rows.size else batch.mask_rows
+    masked = np.flatnonzero(mask_of >= 0)
+    if not has_bias and not has_history and not masked.size:
         return logits
     out = logits.clone()
     dev = logits.device
@@ -42,7 +46,22 @@ def process_logits(
             out.index_put_((to_device(r, dev), to_device(t, dev)), to_device(v, dev), accumulate=True)
     if has_history:
         _penalize(out, batch, rows)
+    if masked.size:
+        _apply_masks(out, masked, batch.token_masks[mask_of[masked]])
     return out
+
+
+def _apply_masks(out: torch.Tensor, rows: np.ndarray, masks: np.ndarray) -> None:
+    """-inf on the tokens the grammar of each of `rows` does not allow (masks [len(rows), words])."""
+    dev = out.device
+    index = to_device(rows, dev)
+    picked = out.index_select(0, index)  # [len(rows), vocab]
+    masks_t = to_device(masks, dev)
+    if dev.type == "cuda":
+        apply_token_bitmask_(picked, masks_t)
+    else:
+        picked = apply_token_bitmask_reference(picked, masks_t)
+    out.index_copy_(0, index, picked)
 
 
 def processed_rows(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
@@ -51,6 +70,8 @@ def processed_rows(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
     for offsets in (batch.bias_offsets, batch.history_offsets):
         if offsets.size and int(offsets[-1]) > 0:
             touched |= offsets[rows + 1] > offsets[rows]
+    if batch.mask_rows.size:
+        touched |= batch.mask_rows[rows] >= 0
     return touched
 
 

@@ -44,6 +44,8 @@ def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
             history_token_ids=unpack(s.history_token_ids, np.int32, "sampling.history_token_ids"),
             prompt_logprobs=_optional(s.prompt_logprobs, np.int32, "sampling.prompt_logprobs", n),
             prompt_next_token=_optional(s.prompt_next_token, np.int32, "sampling.prompt_next_token", n),
+            mask_rows=_optional(s.mask_rows, np.int32, "sampling.mask_rows", n),
+            token_masks=_masks(s.token_masks, s.token_mask_words),
         ),
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
@@ -55,6 +57,13 @@ def _optional(data: bytes, dtype: type, field: str, count: int) -> np.ndarray:
     """A per-sequence array that may be absent: empty means the default for every sequence,
     so a scheduler that never uses a feature sends nothing for it."""
     return unpack(data, dtype, field, count if data else 0)
+
+
+def _masks(data: bytes, words: int) -> np.ndarray:
+    masks = unpack(data, np.int32, "sampling.token_masks")
+    if masks.size and (not words or masks.size % words):
+        raise ValueError(f"sampling.token_masks: {masks.size} words is not a whole number of rows of {words}")
+    return masks.reshape(-1, words) if masks.size else np.zeros((0, words), np.int32)
 
 
 def _pairs(data: bytes, field: str) -> np.ndarray:
