@@ -7,7 +7,9 @@
 #   safetensors (a test enforces the torch part), so this image installs the project's
 #   dependencies without them and the project itself with --no-deps: a few hundred MB
 #   instead of several GB. It also runs the OpenAI HTTP gateway (`llmserve gateway`: smg,
-#   a main dependency).
+#   a main dependency). Structured outputs need xgrammar, whose Python package imports torch
+#   and transformers: left out here too, so this scheduler refuses constrained requests with
+#   UNIMPLEMENTED; run `llmserve scheduler` from the worker image to serve them.
 # worker: everything, plus the `prepare` extra so that it can also run
 #   `llmserve prepare-model` (compose's model-prep service, the Kubernetes init containers).
 #   torch comes from the default index, whose Linux x86_64 wheels are CUDA builds that
@@ -37,7 +39,7 @@ COPY deploy/requirements.py deploy/
 
 
 FROM base AS scheduler
-RUN python deploy/requirements.py --exclude torch triton transformers safetensors > /tmp/requirements.txt \
+RUN python deploy/requirements.py --exclude torch triton transformers safetensors xgrammar > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 COPY README.md ./

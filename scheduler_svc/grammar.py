@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, Unimplemented
 from scheduler_svc.structured_output import StructuredOutput, choice_grammar
 
 # Grammars kept compiled; a compiled JSON schema is tens of KB.
@@ -54,15 +54,24 @@ class GrammarCompiler:
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for one sequence (compiling the grammar if it is new)."""
+        compiled = self.compile(spec)  # first: it says so when xgrammar is missing
         import xgrammar
 
-        return Grammar(xgrammar.GrammarMatcher(self.compile(spec)), self._batch, self.words)
+        return Grammar(xgrammar.GrammarMatcher(compiled), self._batch, self.words)
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import xgrammar
-                from transformers import PreTrainedTokenizerFast
+                try:
+                    import xgrammar
+                    from transformers import PreTrainedTokenizerFast
+                except ImportError as error:
+                    # The slim scheduler image leaves them out (Dockerfile).
+                    raise Unimplemented(
+                        f"structured_output: this scheduler's installation lacks {error.name}, which "
+                        "structured outputs need (the slim scheduler image leaves out xgrammar and torch; "
+                        "run the scheduler from the worker image to serve them)"
+                    ) from error
 
                 tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(self.model_dir) / "tokenizer.json"))
                 info = xgrammar.TokenizerInfo.from_huggingface(

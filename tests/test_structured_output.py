@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import grpc
@@ -419,3 +420,16 @@ def test_a_forked_grammar_moves_on_its_own(smollm2_dir: Path) -> None:
     (m_parent,) = fill_masks([parent])
     allowed = np.flatnonzero(np.unpackbits(m_parent.view(np.uint8), bitorder="little")[:49152])
     assert {tok.id_to_token(int(t)) for t in allowed} >= {"true", "false"} and len(allowed) < 20
+
+
+def test_a_scheduler_without_xgrammar_refuses_constraints_as_unimplemented(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slim scheduler image leaves xgrammar (and torch) out: a constrained request is then
+    UNIMPLEMENTED, saying why, not a crash."""
+    from common.errors import Unimplemented
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now fails as if absent
+    compiler = GrammarCompiler(str(smollm2_dir), 49152, frozenset({2}), 4)
+    with pytest.raises(Unimplemented, match="lacks xgrammar"):
+        compiler.grammar(StructuredOutput("regex", "[a-z]+"))
