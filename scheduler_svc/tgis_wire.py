@@ -17,6 +17,7 @@ from common.errors import InvalidArgument, Unimplemented
 from common.pb.fmaas import generation_pb2 as pb
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput
 
 # TGIS: "max_new_tokens: Default (0) is currently 20".
 DEFAULT_MAX_NEW_TOKENS = 20
@@ -56,6 +57,7 @@ class TgisParams:
     input_tokens: bool = False
     token_logprobs: bool = False  # with returned tokens: each one's log-probability
     top_n_tokens: int = 0  # with returned tokens: the most likely alternatives at each
+    structured_output: StructuredOutput | None = None  # decoding's guided constraint
 
     @property
     def _alternatives(self) -> int | None:
@@ -86,6 +88,7 @@ class TgisParams:
             repetition_penalty=self.repetition_penalty,
             logprobs=self._alternatives if self.generated_tokens else None,
             prompt_logprobs=self._alternatives if self.input_tokens else None,
+            structured_output=self.structured_output,
         )
 
 
@@ -126,6 +129,7 @@ def params(msg: pb.Parameters) -> TgisParams:
     if sample and s.typical_p not in (0.0, 1.0):
         raise Unimplemented("params.sampling.typical_p: typical sampling is not supported")
     _check_decoding(msg.decoding)
+    guided = _structured_output(msg.decoding)
     # Token details apply only to a returned token list (TGIS ignores them otherwise).
     if (resp.generated_tokens or resp.input_tokens) and resp.token_ranks:
         raise Unimplemented("params.response.token_ranks: token ranks are not supported")
@@ -137,6 +141,12 @@ def params(msg: pb.Parameters) -> TgisParams:
     if stop.min_new_tokens > max_new:
         raise InvalidArgument(
             "params.stopping.min_new_tokens", f"{stop.min_new_tokens} exceeds max_new_tokens ({max_new})"
+        )
+    if guided is not None and stop.min_new_tokens:
+        # The engine refuses it too, but under the native API's field name.
+        raise InvalidArgument(
+            "params.stopping.min_new_tokens",
+            f"cannot be combined with params.decoding.{msg.decoding.WhichOneof('guided')}",
         )
     return TgisParams(
         sample=sample,
@@ -159,6 +169,7 @@ def params(msg: pb.Parameters) -> TgisParams:
         input_tokens=resp.input_tokens,
         token_logprobs=resp.token_logprobs,
         top_n_tokens=resp.top_n_tokens,
+        structured_output=guided,
     )
 
 
@@ -169,9 +180,27 @@ def _check_decoding(d: pb.DecodingParameters) -> None:
         )
     if d.HasField("length_penalty"):
         raise Unimplemented("params.decoding.length_penalty: the exponential EOS boost is not supported")
+
+
+def _structured_output(d: pb.DecodingParameters) -> StructuredOutput | None:
+    """The guided constraint (None: free text, which format TEXT also asks for), checked
+    early so that a bad one fails before any prompt is tokenized; the compiler's reasons
+    come when the engine compiles it."""
     guided = d.WhichOneof("guided")
-    if guided is not None and not (guided == "format" and d.format == pb.DecodingParameters.TEXT):
-        raise Unimplemented(f"params.decoding.{guided}: guided decoding is not supported")
+    if guided is None:
+        return None
+    if guided == "format":
+        if d.format == pb.DecodingParameters.TEXT:
+            return None
+        if d.format != pb.DecodingParameters.JSON:
+            raise InvalidArgument("params.decoding.format", f"unknown format {d.format}; TEXT or JSON")
+        spec = StructuredOutput("json_object", field="params.decoding")
+    elif guided == "choice":
+        spec = StructuredOutput("choice", choices=tuple(d.choice.choices), field="params.decoding")
+    else:  # json_schema, regex, grammar: our kinds by the same names
+        spec = StructuredOutput(guided, getattr(d, guided), field="params.decoding")
+    spec.check()
+    return spec
 
 
 # ---- responses ----

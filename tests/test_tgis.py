@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import sys
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from google.protobuf import descriptor_pb2
 
@@ -24,7 +26,10 @@ from llmserve.cli import cache_root
 from scheduler_svc import tgis_wire
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput
 from tests.conftest import REPO, Scheduler, collect, request
+from tests.test_structured_output import PROMPT as GUIDED_PROMPT
+from tests.test_structured_output import SCHEMAS
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "1, 2, 3, 4,"]
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -181,8 +186,6 @@ async def test_sampling_is_reproducible_from_the_reported_seed(tiny_scheduler: S
             lambda p: (setattr(p.response, "input_tokens", True), setattr(p.response, "token_ranks", True)),
         ),
         ("params.decoding.length_penalty", lambda p: p.decoding.length_penalty.SetInParent()),
-        ("params.decoding.regex", lambda p: setattr(p.decoding, "regex", "[0-9]+")),
-        ("params.decoding.json_schema", lambda p: setattr(p.decoding, "json_schema", "{}")),
     ],
 )
 async def test_unsupported_options_are_unimplemented_naming_the_field(
@@ -195,6 +198,97 @@ async def test_unsupported_options_are_unimplemented_naming_the_field(
             await call
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert err.value.details().startswith(field + ":"), err.value.details()
+
+
+# ---- guided decoding: structured outputs (tests/test_structured_output.py covers the engine) ----
+
+
+def guided(seed: int | None = None, max_new_tokens: int = 160, **decoding: object) -> tgis.Parameters:
+    """GREEDY, or SAMPLE at temperature 1 with `seed`, under a `decoding` guided constraint."""
+    p = params(max_new_tokens)
+    if seed is not None:
+        p.method = tgis.SAMPLE
+        p.sampling.seed = seed
+    p.decoding.CopyFrom(tgis.DecodingParameters(**decoding))  # type: ignore[arg-type]
+    return p
+
+
+async def test_guided_decoding_outputs_follow_the_schema_regex_choices_or_grammar(tiny_scheduler: Scheduler) -> None:
+    regex = r"[a-f]{3}-[0-9]{2,3}"
+    choices = ["alpha", "beta", "gamma delta"]
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [1-9]'
+    cases: list[tuple[str, dict[str, object], object]] = [
+        *((f"schema {i}", {"json_schema": json.dumps(SCHEMAS[i])}, SCHEMAS[i]) for i in (1, 4, 11, 15, 17, 22, 31)),
+        ("regex", {"regex": regex}, regex),
+        ("choice", {"choice": tgis.DecodingParameters.StringChoices(choices=choices)}, choices),
+        ("grammar", {"grammar": grammar}, r"\([1-9](\+[1-9])*\)"),
+    ]
+
+    def check(name: str, want: object, text: str, reason: int) -> None:
+        assert reason == tgis.EOS_TOKEN, (name, text)  # the grammar completed
+        if name.startswith("schema"):
+            jsonschema.validate(json.loads(text), want)  # type: ignore[arg-type]
+        elif name == "choice":
+            assert text in want, text  # type: ignore[operator]
+        else:
+            assert re.fullmatch(want, text), (name, text)  # type: ignore[arg-type]
+
+    prompts = [GUIDED_PROMPT, GUIDED_PROMPT + " now"]
+    seeds = (None, 1, 2)
+    calls = [stub(tiny_scheduler).Generate(batched(prompts, guided(seed, **d))) for _, d, _ in cases for seed in seeds]
+    streams = [stream(tiny_scheduler, single(GUIDED_PROMPT, guided(3, **d))) for _, d, _ in cases]
+    replies, streamed = await asyncio.gather(asyncio.gather(*calls), asyncio.gather(*streams))
+    runs = [(name, want) for name, _, want in cases for _ in seeds]
+    for (name, want), reply in zip(runs, replies):
+        assert len(reply.responses) == len(prompts)
+        for r in reply.responses:
+            check(name, want, r.text, r.stop_reason)
+    for (name, _, want), messages in zip(cases, streamed):
+        check(name, want, "".join(m.text for m in messages), messages[-1].stop_reason)
+    # The model's choice, not one fixed output per constraint: sampling gives other values.
+    assert len({r.text for reply in replies for r in reply.responses}) > len(cases)
+
+
+async def test_format_json_is_the_native_json_object_constraint(tiny_scheduler: Scheduler) -> None:
+    """Any JSON object: the tiny model rarely closes a free key, so it runs into max_new_tokens
+    here (tests/test_structured_output.py biases it to finish); greedy, it writes exactly
+    what the native API's json_object writes."""
+    reply = (
+        await stub(tiny_scheduler).Generate(
+            batched([GUIDED_PROMPT], guided(max_new_tokens=24, format=tgis.DecodingParameters.JSON))
+        )
+    ).responses[0]
+    so = pb.StructuredOutput(json_object=True)
+    req = request(GUIDED_PROMPT, max_tokens=24)
+    req.structured_output.CopyFrom(so)
+    native = await collect(tiny_scheduler.stub, req)
+    assert reply.text == native.text and reply.text.lstrip().startswith("{")
+    assert reply.generated_token_count == len(native.token_ids)
+    free = await stub(tiny_scheduler).Generate(batched([GUIDED_PROMPT], params(24)))
+    text = await stub(tiny_scheduler).Generate(
+        batched([GUIDED_PROMPT], guided(max_new_tokens=24, format=tgis.DecodingParameters.TEXT))
+    )
+    assert text.responses[0].text == free.responses[0].text != reply.text  # TEXT: no constraint
+
+
+async def test_invalid_guided_constraints_are_refused_naming_the_field(tiny_scheduler: Scheduler) -> None:
+    cases: list[tuple[tgis.Parameters, str]] = [
+        (guided(json_schema="{not json"), "params.decoding.json_schema"),
+        (guided(json_schema='{"type": "no-such-type"}'), "params.decoding.json_schema"),  # the compiler's reason
+        (guided(regex="(unclosed"), "params.decoding.regex"),
+        (guided(grammar="root ::= undefined_rule"), "params.decoding.grammar"),
+        (guided(choice=tgis.DecodingParameters.StringChoices()), "params.decoding.choice"),
+        (guided(choice=tgis.DecodingParameters.StringChoices(choices=["a", ""])), "params.decoding.choice[1]"),
+        (guided(format=7), "params.decoding.format"),  # type: ignore[arg-type]
+        (guided(regex="[0-9]+"), "params.stopping.min_new_tokens"),
+    ]
+    cases[-1][0].stopping.min_new_tokens = 2
+    for p, field in cases:
+        for call in (stub(tiny_scheduler).Generate(batched(["hi"], p)), stream(tiny_scheduler, single("hi", p))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+            assert err.value.details().startswith(field + ":"), err.value.details()
 
 
 async def test_token_logprobs_and_top_tokens_match_the_native_api(tiny_scheduler: Scheduler) -> None:
@@ -263,6 +357,22 @@ def test_requests_map_to_the_engine_request() -> None:
     req = greedy.generation_request([1] * 500, max_model_len=512, seed=None)
     assert (req.temperature, req.max_tokens, greedy.max_new_tokens) == (0.0, 0, 20)
     assert greedy.generation_request([1] * 492, max_model_len=512, seed=None).max_tokens == 20
+    assert req.structured_output is None
+
+
+def test_guided_fields_map_to_the_engines_structured_output() -> None:
+    def spec(**decoding: object) -> StructuredOutput | None:
+        p = tgis_wire.params(tgis.Parameters(decoding=tgis.DecodingParameters(**decoding)))  # type: ignore[arg-type]
+        return p.generation_request([1], max_model_len=64, seed=None).structured_output
+
+    field = "params.decoding"
+    assert spec(format=tgis.DecodingParameters.TEXT) is None
+    assert spec(format=tgis.DecodingParameters.JSON) == StructuredOutput("json_object", field=field)
+    assert spec(json_schema="{}") == StructuredOutput("json_schema", "{}", field=field)
+    assert spec(regex="a+") == StructuredOutput("regex", "a+", field=field)
+    assert spec(grammar='root ::= "a"') == StructuredOutput("grammar", 'root ::= "a"', field=field)
+    choices = tgis.DecodingParameters.StringChoices(choices=["x", "y"])
+    assert spec(choice=choices) == StructuredOutput("choice", choices=("x", "y"), field=field)
 
 
 def test_stop_reasons() -> None:
