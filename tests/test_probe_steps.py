@@ -81,11 +81,9 @@ def _fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * MIB)
 
 
-def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    executed = _Executed(monkeypatch)
-    _fake_cuda_memory(monkeypatch)
-    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
-    config = WorkerConfig(
+def _profiled_config(model_dir: Path) -> WorkerConfig:
+    """A torch-attention worker whose memory profile runs (with the CUDA calls faked)."""
+    return WorkerConfig(
         model=str(model_dir),
         dtype="float32",
         device="cpu",
@@ -94,7 +92,13 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
         max_num_seqs=24,
         cache=CacheConfig(block_size=16, num_cpu_blocks=0),
     )
-    runner = ModelRunner(config)
+
+
+def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    executed = _Executed(monkeypatch)
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
+    runner = ModelRunner(_profiled_config(model_dir))
     # The torch attention path: the widest decode too, every row at the longest context.
     assert len(executed.steps) == 2
     widest, widest_result = executed.steps[1]
@@ -133,17 +137,8 @@ def test_a_probe_that_does_not_fit_says_what_to_lower(model_dir: Path, monkeypat
         return execute(self, plan)
 
     monkeypatch.setattr(ModelRunner, "execute", short_of_memory)
-    config = WorkerConfig(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
-        attention_backend="torch",
-        max_num_batched_tokens=96,
-        max_num_seqs=24,
-        cache=CacheConfig(block_size=16, num_cpu_blocks=0),
-    )
     with pytest.raises(RuntimeError, match="24 rows .* lower --max-num-seqs or --max-model-len, or use --attention"):
-        ModelRunner(config)
+        ModelRunner(_profiled_config(model_dir))
 
 
 def test_the_widest_decode_is_a_valid_plan_within_the_cache() -> None:

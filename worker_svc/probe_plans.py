@@ -78,22 +78,7 @@ def decode_step(block_size: int, vocab_size: int, num_seqs: int = 1, width: int 
     context = min(block_size + block_size // 2, width * block_size - 1)
     tables = np.full((num_seqs, width), -1, np.int32)
     tables[:, : min(width, 2)] = np.arange(min(width, 2), dtype=np.int32)
-    return StepPlan(
-        step_id=0,
-        seq_ids=np.arange(num_seqs, dtype=np.int64),
-        query_lens=np.ones(num_seqs, np.int32),
-        context_lens=np.full(num_seqs, context, np.int32),
-        input_ids=np.full(num_seqs, min(1, vocab_size - 1), np.int32),
-        block_tables=tables,
-        sample=np.ones(num_seqs, np.uint8),
-        sampling=SamplingBatch(
-            temperature=np.zeros(num_seqs, np.float32),
-            top_p=np.ones(num_seqs, np.float32),
-            top_k=np.zeros(num_seqs, np.int32),
-            seed=np.zeros(num_seqs, np.int64),
-            output_position=np.zeros(num_seqs, np.int32),
-        ),
-    )
+    return _greedy_decode(tables, context, vocab_size)
 
 
 def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int, num_blocks: int) -> StepPlan:
@@ -102,20 +87,27 @@ def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int
     to the longest). The block tables cycle over `num_blocks` blocks, since the gather's size
     depends on the table widths, not on which blocks they name."""
     width = -(-(context + 1) // block_size)
-    tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
+    return _greedy_decode(
+        (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width), context, vocab_size
+    )
+
+
+def _greedy_decode(tables: np.ndarray, context: int, vocab_size: int) -> StepPlan:
+    """One greedy token for each row of `tables`, after `context` cached tokens."""
+    n = tables.shape[0]
     return StepPlan(
         step_id=0,
-        seq_ids=np.arange(rows, dtype=np.int64),
-        query_lens=np.ones(rows, np.int32),
-        context_lens=np.full(rows, context, np.int32),
-        input_ids=np.full(rows, min(1, vocab_size - 1), np.int32),
+        seq_ids=np.arange(n, dtype=np.int64),
+        query_lens=np.ones(n, np.int32),
+        context_lens=np.full(n, context, np.int32),
+        input_ids=np.full(n, min(1, vocab_size - 1), np.int32),
         block_tables=tables,
-        sample=np.ones(rows, np.uint8),
+        sample=np.ones(n, np.uint8),
         sampling=SamplingBatch(
-            temperature=np.zeros(rows, np.float32),
-            top_p=np.ones(rows, np.float32),
-            top_k=np.zeros(rows, np.int32),
-            seed=np.zeros(rows, np.int64),
-            output_position=np.zeros(rows, np.int32),
+            temperature=np.zeros(n, np.float32),
+            top_p=np.ones(n, np.float32),
+            top_k=np.zeros(n, np.int32),
+            seed=np.zeros(n, np.int64),
+            output_position=np.zeros(n, np.int32),
         ),
     )
