@@ -216,6 +216,10 @@ def merge_pad(splits: int) -> int:
     return pow2(splits, 2)
 
 
+# Every split tile default_num_splits (1 to 64 splits) can lead to, whatever the device.
+MERGE_PADS = sorted({merge_pad(s) for s in range(1, 65)})
+
+
 def decode_shapes(
     num_heads: int,
     num_kv_heads: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -177,3 +178,28 @@ def test_unspecialised_arguments_are_not_compiled_as_aligned() -> None:
     for case in worker_cases((64, 128), ("bf16", "fp32"), (4096,)):
         unspecialised = set(_unspecialised(case.kernel))
         assert not unspecialised & case.aligned, (case.name, unspecialised & case.aligned)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+def test_every_rank_runs_as_many_warm_up_steps_whatever_its_gpu(
+    monkeypatch: pytest.MonkeyPatch, num_kv_heads: int
+) -> None:
+    """Warm-up steps hold collectives in a tensor-parallel group, so ranks on GPUs of other
+    SM counts (whose split heuristic reaches other variants) must still run as many."""
+    runner = SimpleNamespace(
+        attention_backend="triton",
+        shape=SimpleNamespace(num_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=128),
+        max_model_len=8192,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        config=SimpleNamespace(max_num_seqs=256),
+    )
+    counts, reached = set(), []
+    for sms in (16, 78, 132, 264):
+        monkeypatch.setattr(paged_attention, "_parallel_units", lambda device, sms=sms: 2 * sms)
+        shapes = ModelRunner._warm_up_decodes(runner)  # type: ignore[arg-type]
+        counts.add(len(shapes))
+        reached.append(len(set(shapes)))
+    assert counts == {len(paged_attention.MERGE_PADS)}
+    assert len(set(reached)) > 1  # the devices do reach different variants

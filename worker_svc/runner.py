@@ -21,7 +21,7 @@ from common.config import WorkerConfig
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.limits import max_tokens_per_step
-from kernels.paged_attention import decode_shapes
+from kernels.paged_attention import MERGE_PADS, decode_shapes
 from worker_svc import host_memory, kv_cache
 from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.host_allocator import keep_freed_memory
@@ -162,7 +162,11 @@ class ModelRunner:
             self.config.max_num_seqs,
             widest,
         )
-        return sorted(shapes.values())
+        found = sorted(shapes.values())
+        # Which variants a device reaches follows its SM count, but the ranks of a
+        # tensor-parallel group (GPUs of different models, at worst) must run as many steps,
+        # each holding collectives: every rank runs one per possible tile, repeating its last.
+        return found + found[-1:] * (len(MERGE_PADS) - len(found))
 
     def _use_graphs(self) -> bool:
         # Profiling synchronizes the device at every part, which a capture cannot contain.
