@@ -22,6 +22,7 @@ from scheduler_svc.kv_events import BlockRemoved, BlockStored
 from scheduler_svc.load import GroupActivity, ModelInfo
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput
 from scheduler_svc.tokenizer_bundle import TokenizerBundle
 
 SERVER_TYPE = "llmserve"
@@ -101,12 +102,6 @@ def generate_call(msg: pb.GenerateRequest) -> GenerateCall:
 
 
 def generation_request(request_id: str, p: pb.SamplingParams) -> GenerationRequest:
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None and not (constraint == "json_object" and not p.json_object):
-        raise Unimplemented(
-            f"sampling_params.{constraint}: structured output (json_schema, regex, grammar, structural_tag, "
-            "json_object, choice) is not supported"
-        )
     if p.HasField("max_tokens") and p.max_tokens == 0:
         raise InvalidArgument("sampling_params.max_tokens", "must be at least 1 (unset: up to the end of the context)")
     for name in ("logprobs", "prompt_logprobs"):
@@ -137,9 +132,28 @@ def generation_request(request_id: str, p: pb.SamplingParams) -> GenerationReque
         include_stop_str_in_output=p.include_stop_str_in_output,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         skip_special_tokens=p.skip_special_tokens,
+        structured_output=structured_output(p),
         # spaces_between_special_tokens only changes text, which this protocol does not carry
         # (the gateway detokenizes); stop strings are matched as a fast tokenizer decodes.
     )
+
+
+def structured_output(p: pb.SamplingParams) -> StructuredOutput | None:
+    """The `constraint` oneof as the engine's StructuredOutput (json_object false: none).
+
+    grammar_from_first_token needs no handling: with no reasoning parser here, every
+    constraint starts at the first generated token anyway."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "structural_tag":
+        raise Unimplemented(
+            "sampling_params.structural_tag: structural tags are not supported "
+            "(json_schema, regex, grammar, json_object and choice are)"
+        )
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(p.choice.choices), field="sampling_params")
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(p, kind), field="sampling_params")
 
 
 def renamed(error: InvalidArgument, text_input: bool) -> InvalidArgument:

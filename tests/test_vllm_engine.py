@@ -11,12 +11,14 @@ import asyncio
 import hashlib
 import io
 import json
+import re
 import signal
 import sys
 import zipfile
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
@@ -27,6 +29,8 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_event_log import CacheCleared, KvBatch, KvEventLog
 from scheduler_svc.kv_events import BlockRemoved, BlockStored, KvEventQueue
 from tests.conftest import Scheduler, WorkerProcess, collect, request
+from tests.test_structured_output import PROMPT as GUIDED_PROMPT
+from tests.test_structured_output import SCHEMAS
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 PROMPT = [100 + 7 * k for k in range(12)]
@@ -261,26 +265,63 @@ async def test_sampling_fields_reach_the_engine(tiny_scheduler: Scheduler, field
     assert list(done.output_ids) == with_field
 
 
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("json_schema", '{"type": "object"}'),
-        ("regex", "[0-9]+"),
-        ("grammar", 'root ::= "a"'),
-        ("structural_tag", "{}"),
-        ("json_object", True),
-        ("choice", vpb.ChoiceConstraint(choices=["yes", "no"])),
-    ],
-)
-async def test_structured_output_is_unimplemented_naming_the_constraint(
-    tiny_scheduler: Scheduler, name: str, value: object
-) -> None:
-    await expect_error(
-        tiny_scheduler,
-        generate(max_tokens=2, **{name: value}),
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"sampling_params.{name}",
-    )
+# ---- structured outputs: the constraint oneof (tests/test_structured_output.py covers the engine) ----
+
+
+async def test_constraints_give_outputs_that_follow_them(tiny_scheduler: Scheduler) -> None:
+    regex = r"[a-f]{3}-[0-9]{2,3}"
+    choices = ["alpha", "beta", "gamma delta"]
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [1-9]'
+    cases: list[tuple[str, dict[str, object], object]] = [
+        *((f"schema {i}", {"json_schema": json.dumps(SCHEMAS[i])}, SCHEMAS[i]) for i in (2, 5, 12, 16, 18, 25, 29)),
+        ("regex", {"regex": regex}, regex),
+        ("choice", {"choice": vpb.ChoiceConstraint(choices=choices)}, choices),
+        ("grammar", {"grammar": grammar}, r"\([1-9](\+[1-9])*\)"),
+        # Keys and strings are free: a bias on the closing quote and brace ends them sooner.
+        ("object", {"json_object": True, "logit_bias": {18: 8.0, 109: 8.0}}, dict),
+    ]
+    runs = [
+        (name, want, generate(text=GUIDED_PROMPT, stream=stream, max_tokens=160, **sampling, **fields))
+        for name, fields, want in cases
+        for sampling, stream in (
+            ({}, True),
+            ({"temperature": 1.0, "seed": 1}, False),
+            ({"temperature": 1.0, "seed": 2}, True),
+        )
+    ]
+    results = await asyncio.gather(*(run(tiny_scheduler, req) for _, _, req in runs))
+    texts = set()
+    for (name, want, _), messages in zip(runs, results):
+        (done,) = completes(messages)
+        text = tiny_scheduler.engine.tokenizer.decode(list(done.output_ids))
+        assert done.finish_reason == "stop", (name, text)
+        if name.startswith("schema"):
+            jsonschema.validate(json.loads(text), want)  # type: ignore[arg-type]
+        elif name == "object":
+            assert isinstance(json.loads(text), dict), text
+        elif name == "choice":
+            assert text in want, text  # type: ignore[operator]
+        else:
+            assert re.fullmatch(want, text), (name, text)  # type: ignore[arg-type]
+        texts.add(text)
+    assert len(texts) > len(cases)  # sampled, not one fixed output per constraint
+    # json_object false is no constraint at all.
+    free = await run(tiny_scheduler, generate(max_tokens=6, ignore_eos=True, json_object=False))
+    assert streamed_ids(free) == await native(tiny_scheduler, max_tokens=6, ignore_eos=True)
+
+
+async def test_bad_constraints_are_refused_naming_the_field(tiny_scheduler: Scheduler) -> None:
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for fields, code, field in [
+        ({"structural_tag": "{}"}, grpc.StatusCode.UNIMPLEMENTED, "sampling_params.structural_tag"),
+        ({"json_schema": "{not json"}, invalid, "sampling_params.json_schema"),
+        ({"json_schema": '{"type": "no-such-type"}'}, invalid, "sampling_params.json_schema"),  # the compiler's
+        ({"regex": "(unclosed"}, invalid, "sampling_params.regex"),
+        ({"grammar": "root ::= undefined_rule"}, invalid, "sampling_params.grammar"),
+        ({"choice": vpb.ChoiceConstraint()}, invalid, "sampling_params.choice"),
+        ({"json_object": True, "min_tokens": 2}, invalid, "sampling_params.min_tokens"),
+    ]:
+        await expect_error(tiny_scheduler, generate(max_tokens=4, **fields), code, field)
 
 
 def _with(edit: object) -> vpb.GenerateRequest:
