@@ -1,6 +1,7 @@
 """llmserve's public Python package: the gRPC clients, the offline API and the `llmserve` command.
 
     from llmserve import LLM, SamplingParams          # offline batch generation, vLLM's shape
+    from llmserve import StructuredOutputsParams      # ... constrained to a JSON schema, regex, ...
     from llmserve import LlmserveClient               # a client of a running service
 
 Names load on first use, so `import llmserve` alone starts nothing and imports neither torch
@@ -17,6 +18,7 @@ _EXPORTS = {
     "AsyncLlmserveClient": "llmserve.client",
     "LLM": "llmserve.llm",
     "SamplingParams": "llmserve.sampling_params",
+    "StructuredOutputsParams": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
 }

@@ -27,8 +27,9 @@ from common.errors import LlmserveError
 from llmserve.engine_args import engine_args
 from llmserve.local_engine import LocalEngine, python_error
 from llmserve.outputs import RequestOutput, request_output
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler_svc.request import GenerationRequest
+from scheduler_svc.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from typing import Self
@@ -206,7 +207,24 @@ class LLM:
             min_tokens=p.min_tokens,
             include_stop_str_in_output=p.include_stop_str_in_output,
             skip_special_tokens=p.skip_special_tokens,
+            structured_output=_structured_output(p.structured_outputs),
         )
+
+
+def _structured_output(so: StructuredOutputsParams | None) -> StructuredOutput | None:
+    """vLLM's StructuredOutputsParams as the engine's (the native API's `structured_output`)."""
+    if so is None:
+        return None
+    field = "structured_outputs"
+    if so.json is not None:
+        return StructuredOutput("json_schema", so.schema_text, field=field)
+    if so.choice is not None:
+        return StructuredOutput("choice", choices=tuple(so.choice), field=field)
+    if so.regex is not None:
+        return StructuredOutput("regex", so.regex, field=field)
+    if so.grammar is not None:
+        return StructuredOutput("grammar", so.grammar, field=field)
+    return StructuredOutput("json_object", field=field)
 
 
 def _per_prompt(params: Params, count: int) -> list[SamplingParams]:

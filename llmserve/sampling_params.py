@@ -1,7 +1,8 @@
 """`SamplingParams` of the offline API: vLLM's field names and defaults, checked on construction.
 
 Every field maps onto the native `GenerateRequest` (protos/llmserve/v1/generation.proto) except
-`truncate_prompt_tokens`, which `LLM` applies itself before the prompt is sent. The ranges are
+`truncate_prompt_tokens`, which `LLM` applies itself before the prompt is sent;
+`structured_outputs` (vLLM's `StructuredOutputsParams`) is its `structured_output`. The ranges are
 checked here, with a ValueError naming the field, so that a bad value fails before any request
 of a batch is queued; the engine checks them again (and its deployment limits: most stop
 strings, logprobs and outputs) when the request arrives.
@@ -9,12 +10,73 @@ strings, logprobs and outputs) when the request arrives.
 
 from __future__ import annotations
 
+import json as jsonlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # The native API's seed is a uint64.
 _SEED_LIMIT = 1 << 64
+_SO = "StructuredOutputsParams"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must be, as vLLM names it: exactly one of these is set. The engine
+    compiles it with xgrammar; a schema, regex or grammar it cannot compile is a ValueError
+    from `LLM.generate` with the compiler's reason."""
+
+    json: str | Mapping[str, Any] | None = None  # a JSON schema, as a dict or as its JSON text
+    regex: str | None = None
+    choice: Sequence[str] | None = None  # the output is exactly one of these
+    grammar: str | None = None  # an EBNF grammar (xgrammar's dialect, `root ::= ...`)
+    json_object: bool | None = None  # True: any JSON object
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError(
+                f"{_SO}: set exactly one of json, regex, choice, grammar, json_object; got {', '.join(kinds) or 'none'}"
+            )
+        where = kinds[0]
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = jsonlib.loads(self.json)
+                except jsonlib.JSONDecodeError as error:
+                    raise ValueError(f"{_SO}.{where}: not valid JSON: {error}") from error
+                _check_so(isinstance(schema, (dict, bool)), where, "a JSON schema is an object (or true / false)")
+            else:
+                _check_so(isinstance(self.json, Mapping), where, f"want a dict or its JSON text, got {self.json!r}")
+                try:
+                    jsonlib.dumps(self.json)
+                except (TypeError, ValueError) as error:
+                    raise ValueError(f"{_SO}.{where}: not serializable as JSON: {error}") from error
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_so(
+                    isinstance(value, str) and value.strip() != "", where, f"must be a non-empty string, got {value!r}"
+                )
+        if self.choice is not None:
+            # A string is a Sequence too, but as choices it would be its characters.
+            _check_so(
+                not isinstance(self.choice, str) and len(self.choice) > 0, where, "want a non-empty list of strings"
+            )
+            for i, c in enumerate(self.choice):
+                _check_so(isinstance(c, str) and c != "", f"{where}[{i}]", f"must be a non-empty string, got {c!r}")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The fields set (json_object only when True)."""
+        named = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return named + (["json_object"] if self.json_object else [])
+
+    @property
+    def schema_text(self) -> str:
+        """`json` as JSON text (a dict is serialized; a string is used as given)."""
+        return self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)
 
 
 @dataclass(frozen=True)
@@ -40,6 +102,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] | None = None  # added to these tokens' logits
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -92,6 +155,14 @@ class SamplingParams:
                 "truncate_prompt_tokens",
                 f"must be at least 1, got {self.truncate_prompt_tokens}",
             )
+        if self.structured_outputs is not None:
+            _check(
+                isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs",
+                f"want StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+            )
+            # The grammar decides where the output may end (the engine refuses it too).
+            _check(not self.min_tokens, "min_tokens", "cannot be combined with structured_outputs")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -104,3 +175,8 @@ class SamplingParams:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}: {message}")
+
+
+def _check_so(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{_SO}.{name}: {message}")

@@ -5,17 +5,22 @@ that closing (or forgetting) an LLM leaves no process and no directory behind.""
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import psutil
 import pytest
 
-from llmserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+from llmserve import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+from tests.test_structured_output import PROMPT as GUIDED_PROMPT
+from tests.test_structured_output import SCHEMAS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
@@ -167,6 +172,64 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     completion = by_id.outputs[0]
     assert completion.token_ids == tokens[: at + 1]  # the stop token is returned, not shown
     assert (completion.finish_reason, completion.stop_reason) == ("stop", tokens[3])
+
+
+def test_structured_outputs_follow_a_schema_choices_a_regex_or_a_grammar(llm: LLM) -> None:
+    regex = r"[a-f]{3}-[0-9]{2,3}"
+    choices = ["alpha", "beta", "gamma delta"]
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [1-9]'
+    schemas = [SCHEMAS[i] for i in (3, 13, 17, 23)]
+    cases: list[tuple[object, StructuredOutputsParams, dict[str, object]]] = [
+        # A schema as a dict and as its JSON text (vLLM takes both).
+        *((s, StructuredOutputsParams(json=s), {}) for s in schemas),
+        *((s, StructuredOutputsParams(json=json.dumps(s)), {"temperature": 1.0, "seed": 3}) for s in schemas),
+        (choices, StructuredOutputsParams(choice=choices), {"temperature": 1.0, "seed": 4}),
+        (regex, StructuredOutputsParams(regex=regex), {"temperature": 1.0, "seed": 5}),
+        ("grammar", StructuredOutputsParams(grammar=grammar), {}),
+        # Keys and strings are free: a bias on the closing quote and brace ends them sooner.
+        (dict, StructuredOutputsParams(json_object=True), {"logit_bias": {18: 8.0, 109: 8.0}}),
+    ]
+    params = [
+        SamplingParams(**{"temperature": 0.0, "max_tokens": 160, **kw}, structured_outputs=so) for _, so, kw in cases
+    ]  # type: ignore[arg-type]
+    outs = llm.generate([GUIDED_PROMPT] * len(cases), params, use_tqdm=False)
+    for (want, _, _), out in zip(cases, outs):
+        got = out.outputs[0]
+        assert got.finish_reason == "stop", (want, got.text)
+        if isinstance(want, dict):
+            jsonschema.validate(json.loads(got.text), want)
+        elif want is dict:
+            assert isinstance(json.loads(got.text), dict), got.text
+        elif isinstance(want, list):
+            assert got.text in want, got.text
+        elif want == "grammar":
+            assert re.fullmatch(r"\([1-9](\+[1-9])*\)", got.text), got.text
+        else:
+            assert re.fullmatch(str(want), got.text), got.text
+
+
+def test_structured_outputs_params_are_checked(llm: LLM) -> None:
+    for kwargs, match in (
+        ({}, "StructuredOutputsParams: set exactly one .* got none"),
+        ({"json": {"type": "integer"}, "regex": "a+"}, "got json, regex"),
+        ({"json_object": False}, "got none"),
+        ({"json": "{not json"}, "StructuredOutputsParams.json: not valid JSON"),
+        ({"json": 5}, "StructuredOutputsParams.json: want a dict"),
+        ({"choice": []}, "StructuredOutputsParams.choice: want a non-empty list"),
+        ({"choice": "ab"}, "StructuredOutputsParams.choice: want a non-empty list"),
+        ({"choice": ["a", ""]}, r"StructuredOutputsParams.choice\[1\]"),
+        ({"regex": ""}, "StructuredOutputsParams.regex: must be a non-empty string"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens: cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs: want StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+    # The compiler's refusal, from the engine.
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "no-such-type"}))
+    with pytest.raises(ValueError, match="structured_outputs.json_schema: cannot be compiled: .*no-such-type"):
+        llm.generate(PROMPTS[0], bad, use_tqdm=False)
 
 
 def test_invalid_input_is_a_value_error(llm: LLM, model_dir: Path) -> None:
