@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,12 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                 )
-                self._batch = xgrammar.BatchGrammarMatcher(max_threads=2)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+                # The scheduler's event loop, its gRPC threads and often a worker share the
+                # cores: half of them fill masks (one thread here was faster than two on two
+                # cores, benchmarks/structured_output_bench.py).
+                threads = max(1, (os.cpu_count() or 2) // 2)
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
             return self._compiler
 
     def _compile(self, key: tuple[str, str, tuple[str, ...]]) -> Any:
