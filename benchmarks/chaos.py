@@ -8,14 +8,16 @@ A scheduler and --workers registering CPU workers (float32, small KV pools so th
 preempt each other), each a process of its own. Clients keep --concurrency requests in flight,
 drawn from a fixed pool of greedy and seeded prompts whose undisturbed outputs are recorded
 first; a request streams normally, or is cancelled after a few tokens, or has a short
-deadline, or asks for n = 2 seeded samples. Meanwhile, every --chaos-interval seconds, one
+deadline, or asks for n = 2 seeded samples, or asks for a structured output (a bounded JSON
+schema, seeded sampling at temperature 1). Meanwhile, every --chaos-interval seconds, one
 worker is SIGKILLed (and restarted), SIGSTOPped for a while (then SIGCONT), or SIGTERMed (and
 restarted).
 
 Every request must end with exactly its undisturbed tokens, or with a documented status
 (ABORTED or UNAVAILABLE for a lost worker, CANCELLED or DEADLINE_EXCEEDED when the client
 asked for it, RESOURCE_EXHAUSTED for a full queue), having streamed a prefix of those tokens.
-At the end every KV block must be free, and the scheduler's resident memory is reported over
+A structured output that finishes must also end with finish reason STOP, and its text must
+parse as JSON and validate against its schema (jsonschema). At the end every KV block must be free, and the scheduler's resident memory is reported over
 the run. Writes benchmarks/results/chaos-<YYYYmmdd-HHMMSS>.json; exit 1 if any check fails.
 """
 
@@ -35,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import structlog
 from tqdm import tqdm
 
@@ -50,7 +53,45 @@ log = structlog.get_logger("benchmark")
 
 DOCUMENTED = {"ABORTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
 # Modes of a request and how often each is drawn.
-MODES = (("stream", 0.55), ("cancel", 0.15), ("deadline", 0.15), ("samples", 0.15))
+MODES = (("stream", 0.45), ("cancel", 0.15), ("deadline", 0.15), ("samples", 0.15), ("structured", 0.10))
+# The structured kind's schemas: each output is short whatever the model writes (bounded
+# integers, enums, short strings and arrays), so it completes well within STRUCTURED_MAX_TOKENS.
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "boolean"},
+    {"type": "integer", "minimum": 0, "maximum": 99},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "string", "pattern": "^[a-z]{2,4}$"},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "shade": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "required": ["color", "shade"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["point"],
+        "additionalProperties": False,
+    },
+]
+STRUCTURED_MAX_TOKENS = 96
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,10 +187,12 @@ class Load:
 
         item = self.rng.choice(self.pool)
         mode = self.rng.choices([m for m, _ in MODES], [w for _, w in MODES])[0]
-        samples = mode == "samples"
-        request = item["samples" if samples else "greedy"]
-        expected: list[list[int]] = item["expected_samples" if samples else "expected"]
+        kind = mode if mode in ("samples", "structured") else "greedy"
+        request = item[kind]
+        expected: list[list[int]] = item[f"expected_{kind}"]
         got: list[list[int]] = [[] for _ in expected]
+        text = ""
+        finish = 0
         cancel_after = self.rng.randint(1, 8) if mode == "cancel" else None
         timeout = self.rng.uniform(0.3, 3.0) if mode == "deadline" else None
         call = self.stub.Generate(request, timeout=timeout)
@@ -157,6 +200,8 @@ class Load:
         try:
             async for message in call:
                 got[message.index].extend(message.token_ids)
+                text += message.text
+                finish = message.finish_reason or finish
                 self.tokens += len(message.token_ids)
                 if cancel_after is not None and sum(map(len, got)) >= cancel_after:
                     call.cancel()
@@ -171,6 +216,8 @@ class Load:
         if code == "OK":
             if got != expected:
                 self.failures.append(f"{mode}: streamed tokens differ from the undisturbed run")
+            elif mode == "structured" and (problem := _invalid(text, finish, item["schema"])):
+                self.failures.append(f"structured: finished, but {problem}")
         elif code not in DOCUMENTED:
             self.failures.append(f"{mode}: undocumented status {code}")
         elif any(g != e[: len(g)] for g, e in zip(got, expected)):
@@ -184,10 +231,29 @@ class Load:
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-async def _undisturbed(stub: Any, request: Any, n: int) -> list[list[int]]:
+def _invalid(text: str, finish: int, schema: dict[str, Any]) -> str | None:
+    """Why a finished structured output is wrong (None if it is right): it must have ended
+    because its grammar was complete, and its text must validate against its schema."""
+    from common.pb.llmserve.v1 import generation_pb2 as pb
+
+    if finish != pb.FINISH_REASON_STOP:
+        return f"with finish reason {pb.FinishReason.Name(finish)}, not STOP: {text!r}"
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError) as error:
+        return f"its text {text!r} does not validate: {str(error).splitlines()[0]}"
+    return None
+
+
+async def _undisturbed(stub: Any, request: Any, n: int, schema: dict[str, Any] | None = None) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(n)]
+    text, finish = "", 0
     async for message in stub.Generate(request):
         out[message.index].extend(message.token_ids)
+        text += message.text
+        finish = message.finish_reason or finish
+    if schema is not None and (problem := _invalid(text, finish, schema)):
+        raise RuntimeError(f"undisturbed structured output for {json.dumps(schema)}: {problem}")
     return out
 
 
@@ -228,6 +294,15 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
                 stopping=stopping,
                 sampling=pb.SamplingParams(temperature=1.0, top_k=20, n=2, seed=1000 + i),
             ),
+            # A text prompt, so that the output's text starts at a character boundary (random
+            # ids may end inside a multi-byte character); the grammar's end stops it (STOP).
+            "schema": SCHEMAS[i % len(SCHEMAS)],
+            "structured": pb.GenerateRequest(
+                prompt=f"Answer request {i} in the required JSON format:",
+                stopping=pb.StoppingCriteria(max_tokens=STRUCTURED_MAX_TOKENS),
+                sampling=pb.SamplingParams(temperature=1.0, seed=2000 + i),
+                structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMAS[i % len(SCHEMAS)])),
+            ),
         }
         for i, (p, _) in enumerate(prompts)
     ]
@@ -240,8 +315,9 @@ async def _run(args: argparse.Namespace, model: str, stamp: str) -> dict[str, An
             stub = generation_pb2_grpc.GenerationStub(channel)
             await _wait_for_groups(stub, args.workers)
             for item in tqdm(pool, desc="undisturbed runs", unit="prompt", file=sys.stderr):
-                item["expected"] = await _undisturbed(stub, item["greedy"], 1)
+                item["expected_greedy"] = await _undisturbed(stub, item["greedy"], 1)
                 item["expected_samples"] = await _undisturbed(stub, item["samples"], 2)
+                item["expected_structured"] = await _undisturbed(stub, item["structured"], 1, item["schema"])
             rss.append(cluster.scheduler_rss_mib())
             start = time.monotonic()
             until = start + args.seconds

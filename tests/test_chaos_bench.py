@@ -1,5 +1,7 @@
 """benchmarks/chaos.py end to end, briefly: two workers on the tiny model are disrupted while
-clients stream, cancel and time out; every request ends right and every block comes back."""
+clients stream, cancel, time out, ask for n = 2 samples and for structured outputs; every request
+ends right (a finished structured output validates against its schema) and every block comes
+back."""
 
 from __future__ import annotations
 
@@ -49,3 +51,6 @@ def test_a_short_soak_ends_every_request_right(tiny_model_dir: Path, tmp_path: P
     assert result["ok"] and result["num_failures"] == 0 and result["leaked_at_end"] == {}
     assert result["requests"] > 10 and sum(result["disruptions"].values()) >= 2
     assert any(key.endswith(":OK") for key in result["outcomes"])
+    kinds = {key.split(":")[0] for key in result["outcomes"]}
+    assert kinds == {"stream", "cancel", "deadline", "samples", "structured"}, result["outcomes"]
+    assert result["outcomes"].get("structured:OK", 0) > 0, result["outcomes"]
