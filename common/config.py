@@ -95,7 +95,7 @@ class SchedulerConfig:
         for name in ("max_prompt_tokens", "max_stop_strings", "max_logprobs", "max_n"):
             _require(getattr(self, name) >= 0, f"{name} must not be negative")
         _require(self.max_n >= 1, "max_n must be at least 1")
-        _require(self.json_max_whitespace >= 0, "json_max_whitespace must not be negative")
+        _require(self.json_max_whitespace >= 1, "json_max_whitespace must be at least 1")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
 

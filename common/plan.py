@@ -158,7 +158,12 @@ class StepPlan:
             raise ValueError("plan.sampling.mask_rows must have one entry per sequence, or none")
         if rows.size:
             masked = rows[rows >= 0]
-            if int(rows.min()) < -1 or np.unique(masked).size != masked.size or masked.size != masks.shape[0]:
+            if (
+                int(rows.min()) < -1
+                or (masked.size and int(masked.max()) >= masks.shape[0])
+                or np.unique(masked).size != masked.size
+                or masked.size != masks.shape[0]
+            ):
                 raise ValueError("plan.sampling.mask_rows must name each row of token_masks once, -1 elsewhere")
             if not self.sample[rows >= 0].all():
                 raise ValueError("plan.sampling.mask_rows constrains a sequence that samples nothing this step")

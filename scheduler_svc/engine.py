@@ -152,7 +152,8 @@ class Engine:
 
         `cause` names why the caller went away when this generator is cancelled (the API
         knows: a deadline, a cancel); it goes into the request_aborted log line."""
-        stream = self._admit(req, await self._grammar(req))
+        tokens = self._checked_prompt(req)
+        stream = self._admit(req, tokens, await self._grammar(req))
         # Every log line of this handler's task carries the request id from here on.
         structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         done = False
@@ -185,23 +186,33 @@ class Engine:
                 self._abort(stream)
 
     async def _grammar(self, req: GenerationRequest) -> Grammar | None:
-        """The structured output's matcher: the cheap refusals first, then the compile, off the
-        event loop (the first one loads xgrammar and the tokenizer's vocabulary, seconds)."""
+        """The structured output's matcher, compiled off the event loop (the first compile
+        loads xgrammar and the tokenizer's vocabulary: seconds), after every cheap refusal
+        (_checked_prompt)."""
         spec = req.structured_output
         if spec is None:
             return None
-        spec.check()
         return await asyncio.to_thread(self._grammars.grammar, spec)
 
-    def _admit(self, req: GenerationRequest, grammar: Grammar | None = None) -> RequestStream:
+    def _checked_prompt(self, req: GenerationRequest) -> list[int]:
+        """The prompt's tokens, once the request passed every check that needs no worker's
+        answer (UNAVAILABLE while none is ready or when draining)."""
+        self._ready_replicas()
+        check_fields(req, self.limits)
+        tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
+        check_length(len(tokens), req.max_tokens, self.limits)
+        return tokens
+
+    def _ready_replicas(self) -> list[Replica]:
         if self._draining:
             raise Unavailable("the server is shutting down")
         ready = self.replicas
         if not ready:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
-        check_fields(req, self.limits)
-        tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
-        check_length(len(tokens), req.max_tokens, self.limits)
+        return ready
+
+    def _admit(self, req: GenerationRequest, tokens: list[int], grammar: Grammar | None = None) -> RequestStream:
+        ready = self._ready_replicas()  # again: a drain or a worker loss may begin during a compile
         request_id = req.request_id or uuid.uuid4().hex
         if self._streams.get(request_id) is not None:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")

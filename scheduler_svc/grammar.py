@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from scheduler_svc.structured_output import StructuredOutput, choice_grammar
 
 # Grammars kept compiled; a compiled JSON schema is tens of KB.
 _CACHE_SIZE = 256
+# Where xgrammar's messages say they were raised: "[07:06:16] /project/cpp/regex_converter.cc:83: ".
+_SOURCE_PREFIX = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
 
 
 class GrammarCompiler:
@@ -47,11 +50,14 @@ class GrammarCompiler:
         """The compiled grammar; InvalidArgument with the compiler's reason when the schema,
         regex or grammar is not valid. Slow the first time (xgrammar and the tokenizer's
         vocabulary load): call it from a thread, not the event loop."""
+        self._xgrammar_compiler()  # outside the try: a failure to set up is not the client's
         try:
             return self._cached(spec.key)
         except (RuntimeError, ValueError, TypeError) as error:
-            # xgrammar reports a bad schema, regex or grammar as one of these, with its reason.
-            raise InvalidArgument(f"{spec.field}.{spec.kind}", f"cannot be compiled: {error}") from error
+            # xgrammar reports a bad schema, regex or grammar as one of these, with its reason
+            # after a "[time] source.cc:line: " prefix that is no business of the client's.
+            reason = _SOURCE_PREFIX.sub("", str(error)).strip()
+            raise InvalidArgument(f"{spec.field}.{spec.kind}", f"cannot be compiled: {reason}") from error
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for one sequence (compiling the grammar if it is new)."""
@@ -81,9 +87,11 @@ class GrammarCompiler:
                 # The scheduler's event loop, its gRPC threads and often a worker share the
                 # cores: half of them fill masks (one thread here was faster than two on two
                 # cores, benchmarks/structured_output_bench.py).
-                threads = max(1, (os.cpu_count() or 2) // 2)
+                threads = max(1, len(os.sched_getaffinity(0)) // 2)
                 self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
+                # Its own cache never forgets (a client sending a new schema per request would
+                # grow the scheduler without bound): the bounded one here serves instead.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
             return self._compiler
 
     def _compile(self, key: tuple[str, str, tuple[str, ...]]) -> Any:

@@ -138,7 +138,8 @@ def _masks(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, n
     mask_rows = np.full(n, -1, np.int32)
     mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
     grammars = [seqs[i].grammar for i in rows]
-    return mask_rows, fill_masks([g for g in grammars if g is not None])
+    assert all(grammars), "a constrained row without a grammar"
+    return mask_rows, fill_masks(grammars)  # type: ignore[arg-type]
 
 
 def _history(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,8 +14,9 @@ the worker never waits for the scheduler between steps. It assumes the plan in f
 its sequences count its tokens as computed, and each token it samples becomes pending
 (`Sequence.pending`), fed to the next step as a deferred input the worker fills in from its
 previous step. It does this only when the outcome cannot change the plan: no sequence of the
-plan in flight is forked, a beam, penalized (its history would lack the token) or scoring its
-prompt; no running group is about to fork; no block would run short (no preemption); no
+plan in flight is forked, a beam, penalized (its history would lack the token), scoring its
+prompt, or sampling under a structured output (its next mask follows the token); no running
+group is about to fork; no block would run short (no preemption); no
 higher-priority group waits. Otherwise it
 returns None and the engine waits for the result. A sequence that ends on the token in flight
 (eos, stop) wastes its row of the step planned ahead; `update` of that step skips it.
@@ -285,7 +286,7 @@ class Scheduler:
             return False  # its samples' copies of the shared block could run the pool short
         if record.advanced:
             return self._planner.running_need() <= self.block_manager.num_free_blocks
-        for seq in record.seqs:
+        for seq, samples in zip(record.seqs, record.plan.sample.tolist()):
             if seq.is_finished:
                 continue
             group = seq.group
@@ -294,7 +295,8 @@ class Scheduler:
                 group.width > 1
                 or seq.sampling.penalized
                 or seq.sampling.prompt_logprobs is not None
-                or seq.grammar is not None  # its next mask follows the token in flight
+                # Its next mask follows the token in flight; a prompt chunk moves no grammar.
+                or (seq.grammar is not None and samples)
             ):
                 return False
         saved = [s.num_computed_tokens for s in record.seqs]
@@ -441,13 +443,14 @@ class Scheduler:
                 beam_rows.setdefault(seq.group, []).append(i)
                 continue
             token, logprob = sampled[i], logprobs[i]
-            seq.token_ids.append(token)
             if seq.grammar is not None and not seq.grammar.accept(token):
-                # The worker applied this grammar's mask, so only a broken worker gets here:
-                # end the output (finish reason aborted) rather than stream one that does not match.
+                # The worker applied the grammar's mask: either the mask allowed no token (a
+                # grammar this vocabulary cannot spell) or the worker is broken. The output
+                # cannot go on, and the token is not the client's to see: an event without one.
                 ended = self.finish_seq(seq.seq_id, FinishReason.ABORTED)
-                events.append(TokenEvent(seq, token, logprob, FinishReason.ABORTED, ended, ()))
+                events.append(TokenEvent(seq, -1, 0.0, FinishReason.ABORTED, ended))
                 continue
+            seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
             k = seq.sampling.logprobs
             top = (

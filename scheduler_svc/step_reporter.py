@@ -10,12 +10,14 @@ import time
 
 import structlog
 
+from common.errors import Aborted
 from common.plan import StepResult
 from scheduler_svc.live_streams import LiveStreams
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.replica import Replica
 from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.scheduler import Scheduler, TokenEvent
+from scheduler_svc.sequence import FinishReason
 from scheduler_svc.worker_client import StepTiming
 
 log = structlog.get_logger(__name__)
@@ -42,6 +44,9 @@ class StepReporter:
                 elif stream.last_token_time is not None and stream.last_token_time < now:
                     self.metrics.itl.observe(now - stream.last_token_time)
                 stream.last_token_time = now
+            elif event.finish_reason is FinishReason.ABORTED and group is not None and not group.is_beam:
+                # A structured output the worker sampled past (Scheduler._apply).
+                stream.fail(Aborted("the structured output's grammar allows no token the model can sample here"))
             touched[stream.request_id] = stream
         # Only after every event of the step: a stop string on one sample can end the group
         # while a sibling's last token of the same step is still to be sent.

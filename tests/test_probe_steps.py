@@ -187,6 +187,8 @@ def test_the_warm_up_launches_the_decode_kernel_before_serving(
     steps = [p for p, _ in executed.steps]
     assert steps[0].query_lens.tolist() == [24] and len(steps) == 1 + len(MERGE_PADS)
     assert all((p.query_lens == 1).all() and (p.context_lens > 0).all() for p in steps[1:])
+    # The first decode carries an open token mask: the mask kernel compiles here too.
+    assert (steps[1].sampling.mask_rows >= 0).all() and (steps[1].sampling.token_masks == -1).all()
     assert launches["decode"] >= len(MERGE_PADS)
     assert runner._last_sampled == {}  # noqa: SLF001
 

@@ -15,6 +15,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import SchedulerConfig
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import SamplingBatch
@@ -334,17 +336,24 @@ async def test_invalid_constraints_are_refused_with_the_reason(
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(tiny_scheduler.stub, constrained(structured))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (error.value.details() or "").startswith(field), error.value.details()
+    details = error.value.details() or ""
+    assert details.startswith(field), details
+    assert not re.search(r"\.cc:\d+", details), details  # xgrammar's source location is dropped
 
 
 async def test_beam_search_and_min_tokens_with_a_constraint_are_refused(tiny_scheduler: Scheduler) -> None:
-    so = pb.StructuredOutput(json_object=True)
+    """Refused before anything compiles (the first compile costs seconds)."""
+    compiled = tiny_scheduler.engine._grammars._cached.cache_info()  # noqa: SLF001
+    so = pb.StructuredOutput(json_schema='{"type": "integer", "minimum": 17}')
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(tiny_scheduler.stub, constrained(so, beam_width=2))
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(tiny_scheduler.stub, constrained(so, min_tokens=2))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in (error.value.details() or "")
+    assert tiny_scheduler.engine._grammars._cached.cache_info() == compiled  # noqa: SLF001
+    with pytest.raises(ValueError, match="json_max_whitespace"):
+        SchedulerConfig(json_max_whitespace=0)  # xgrammar takes no 0: every JSON constraint would fail
 
 
 # ---- the pieces, without services ----
@@ -396,7 +405,7 @@ def test_masks_travel_through_both_wires_and_bad_ones_are_refused() -> None:
     plan.validate()
     back = worker_wire.step_plan(worker_pb.StepPlan.FromString(scheduler_wire.step_plan(plan).SerializeToString()))
     assert np.array_equal(back.sampling.mask_rows, [1, -1, 0]) and np.array_equal(back.sampling.token_masks, masks)
-    for rows in ([0, 0, -1], [0, -1, -1], [-2, 0, 1], [0, 1]):
+    for rows in ([0, 0, -1], [0, -1, -1], [-2, 0, 1], [0, 1], [1, -1, 5]):
         bad = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, mask_rows=np.array(rows, np.int32)))
         with pytest.raises(ValueError, match="mask_rows"):
             bad.validate()
@@ -433,3 +442,61 @@ def test_a_scheduler_without_xgrammar_refuses_constraints_as_unimplemented(
     compiler = GrammarCompiler(str(smollm2_dir), 49152, frozenset({2}), 4)
     with pytest.raises(Unimplemented, match="lacks xgrammar"):
         compiler.grammar(StructuredOutput("regex", "[a-z]+"))
+
+
+def _scheduler_with_constrained_seq(smollm2_dir: Path, **config: object) -> tuple[Any, Any]:
+    from tests.test_scheduler import add, make_scheduler, make_seq
+
+    s = make_scheduler(**config)
+    seq = make_seq(1, 6, max_tokens=8)
+    seq.grammar = GrammarCompiler(str(smollm2_dir), 49152, frozenset({2}), 4).grammar(
+        StructuredOutput("regex", "[a-z]+")
+    )
+    add(s, seq)
+    return s, seq
+
+
+def test_a_token_the_grammar_refuses_ends_the_output_without_showing_it(smollm2_dir: Path) -> None:
+    """A mask that allows nothing (a grammar the vocabulary cannot spell) or a broken worker:
+    the token is not appended and the event carries none, so no client sees it."""
+    from common.plan import StepResult
+    from scheduler_svc.sequence import FinishReason
+
+    s, seq = _scheduler_with_constrained_seq(smollm2_dir)
+    plan = s.schedule()
+    assert plan is not None and plan.sampling.mask_rows.tolist() == [0]
+    refused = np.full(plan.num_seqs, 13, np.int32)  # a special token, outside [a-z]+
+    (event,) = s.update(plan, StepResult(plan.step_id, refused))
+    assert event.token_id == -1 and event.finish_reason is FinishReason.ABORTED and event.group_finished
+    assert seq.output_token_ids == [] and seq.finish_reason is FinishReason.ABORTED
+    s.check_integrity()
+    # What reaches the caller: ABORTED saying why, then the end of the stream; no text.
+    from common.errors import Aborted
+    from scheduler_svc.live_streams import LiveStreams
+    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.request_stream import RequestStream
+    from scheduler_svc.step_reporter import StepReporter
+    from scheduler_svc.tokenizer import Tokenizer
+
+    assert seq.group is not None
+    streams = LiveStreams()
+    stream = RequestStream(seq.group, Tokenizer(smollm2_dir), 1000)
+    streams.add(stream)
+    StepReporter(SchedulerMetrics("m"), streams).emit(s, [event])
+    items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    assert len(items) == 2 and isinstance(items[0], Aborted) and "grammar" in str(items[0]) and items[1] is None
+
+
+def test_a_constrained_prompt_chunk_does_not_stop_planning_ahead(smollm2_dir: Path) -> None:
+    """Only a row that samples moves its grammar: while a constrained prompt is chunked, the
+    next step is still planned ahead."""
+    from tests.test_scheduler import fake_execute
+
+    # A 6-token prompt in 4-token chunks: the first chunk samples nothing.
+    s, _ = _scheduler_with_constrained_seq(smollm2_dir, max_num_batched_tokens=4)
+    first = s.schedule()
+    assert first is not None and not first.sample.any()
+    second = s.schedule()  # planned while the first is in flight
+    assert second is not None and second.sample.all() and s.num_planned_ahead == 1
+    assert s.schedule() is None  # the sampling row's next mask waits for its token
+    s.update(first, fake_execute(first))

@@ -65,7 +65,8 @@ def _apply_masks(out: torch.Tensor, rows: np.ndarray, masks: np.ndarray) -> None
 
 
 def processed_rows(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
-    """bool [len(rows)]: which of the plan rows `rows` have a bias or a penalized history."""
+    """bool [len(rows)]: which of the plan rows `rows` have a bias, a penalized history or a
+    token mask."""
     touched = np.zeros(rows.size, dtype=bool)
     for offsets in (batch.bias_offsets, batch.history_offsets):
         if offsets.size and int(offsets[-1]) > 0:

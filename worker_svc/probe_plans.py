@@ -12,6 +12,8 @@ a client may ask (`PROFILE_LOGPROBS`), and prompt log-probabilities of the chunk
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from common.plan import SamplingBatch, StepPlan
@@ -90,6 +92,18 @@ def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int
     return _greedy_decode(
         (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width), context, vocab_size
     )
+
+
+def with_open_masks(plan: StepPlan, vocab_size: int) -> StepPlan:
+    """`plan` with a structured output's token mask on every row, allowing every token: the
+    mask kernel compiles in the warm-up too, not in the first constrained request's step."""
+    words = -(-vocab_size // 32)
+    sampling = dataclasses.replace(
+        plan.sampling,
+        mask_rows=np.arange(plan.num_seqs, dtype=np.int32),
+        token_masks=np.full((plan.num_seqs, words), -1, np.int32),
+    )
+    return dataclasses.replace(plan, sampling=sampling)
 
 
 def _greedy_decode(tables: np.ndarray, context: int, vocab_size: int) -> StepPlan:

@@ -39,7 +39,7 @@ from worker_svc.loader import (
 from worker_svc.logits_processor import process_logits, processed_rows
 from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
 from worker_svc.parallel import SINGLE, ParallelGroup, bind_device
-from worker_svc.probe_plans import decode_step, heaviest_step, widest_decode_step
+from worker_svc.probe_plans import decode_step, heaviest_step, widest_decode_step, with_open_masks
 from worker_svc.sampler import sample
 from worker_svc.step_buckets import gemm_buckets, graph_buckets, pad_rows
 from worker_svc.step_profile import StepProfile
@@ -137,7 +137,9 @@ class ModelRunner:
         context = self.block_size + self.block_size // 2
         prompt, _ = heaviest_step(context, 1, self.block_size, self.shape.vocab_size)
         shapes = self._warm_up_decodes()
-        for plan in (prompt, *(decode_step(self.block_size, self.shape.vocab_size, n, w) for n, w in shapes)):
+        decodes = [decode_step(self.block_size, self.shape.vocab_size, n, w) for n, w in shapes]
+        decodes[0] = with_open_masks(decodes[0], self.shape.vocab_size)
+        for plan in (prompt, *decodes):
             self.execute(plan)
         self._last_sampled = {}
         log.info("worker_warmed_up", steps=("prompt", *(f"decode {n}x{w}" for n, w in shapes)))
@@ -449,7 +451,8 @@ class ModelRunner:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""
         argmax, lse = logits_stats(logits, self._cpu_kernels)
         # Rows whose token is not simply the argmax of the raw logits: drawn at random, or
-        # with logit processing (bias, min_tokens bans, penalties). Only they go to float32.
+        # with logit processing (bias, min_tokens bans, penalties, a structured output's
+        # mask). Only they go to float32.
         slow = np.flatnonzero((s.temperature[rows] > 0) | processed_rows(s, rows)) if rows.size else rows
         if not slow.size:
             return argmax, lse
