@@ -40,6 +40,14 @@ def log_fields(headers: dict[str, str]) -> dict[str, str]:
     return {k.replace("-", "_"): v for k, v in headers.items()}
 
 
+def bind_trace(headers: dict[str, str]) -> None:
+    """Put the caller's ids on every log line of this call, from its first (a refusal) to
+    the ErrorInterceptor's `rpc_refused` after the handler raised: bound for the rest of the
+    call's task (gRPC runs each call in a task of its own, and tasks it starts copy them), not
+    in a `with` block, whose exit would unbind them before the interceptor logs."""
+    structlog.contextvars.bind_contextvars(**log_fields(headers))
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -47,17 +55,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        headers = trace_headers(context)
+        bind_trace(headers)
         req = wire.generation_request(request)
         check_request_id(req.request_id)  # before it becomes metadata
-        headers = trace_headers(context)
         # Only the request_id field is a key (unique while in flight, the handle for Abort):
         # trace headers may be shared by several calls, so they are echoed and logged, not keys.
         request_id = req.request_id or uuid.uuid4().hex
         echo = {"x-request-id": request_id, **headers}
         await context.send_initial_metadata(tuple(echo.items()))
-        with structlog.contextvars.bound_contextvars(**log_fields(headers)):
-            async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id), end_cause(context)):
-                yield wire.generate_response(out)
+        async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id), end_cause(context)):
+            yield wire.generate_response(out)
 
     async def Abort(  # noqa: N802
         self, request: gen_pb.AbortRequest, context: grpc.aio.ServicerContext

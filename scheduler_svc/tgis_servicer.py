@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 import grpc
-import structlog
 
 from common.pb.fmaas import generation_pb2 as pb
 from common.pb.fmaas import generation_pb2_grpc
 from scheduler_svc import tgis_wire
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
-from scheduler_svc.servicer import log_fields, trace_headers
+from scheduler_svc.servicer import bind_trace, end_cause, trace_headers
 from scheduler_svc.tgis_wire import TgisParams, TimeLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -42,14 +41,14 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedGenerationResponse:
+        headers = trace_headers(context)
+        bind_trace(headers)  # the prompts' tasks copy them: each prompt's lines carry the caller's ids
         texts, params = tgis_wire.batched_request(request)
         deadline = _deadline(params)
-        headers = trace_headers(context)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
-        # Tasks copy the context variables: every prompt's log lines carry the caller's ids.
-        structlog.contextvars.bind_contextvars(**log_fields(headers))
-        tasks = [asyncio.ensure_future(self._generate_one(text, params, deadline)) for text in texts]
+        cause = _end_cause(context, deadline)
+        tasks = [asyncio.ensure_future(self._generate_one(text, params, deadline, cause)) for text in texts]
         try:
             responses = await asyncio.gather(*tasks)
         except BaseException:
@@ -60,11 +59,13 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise
         return pb.BatchedGenerationResponse(responses=responses)
 
-    async def _generate_one(self, text: str, params: TgisParams, deadline: float | None) -> pb.GenerationResponse:
+    async def _generate_one(
+        self, text: str, params: TgisParams, deadline: float | None, cause: Callable[[], str]
+    ) -> pb.GenerationResponse:
         prompt_ids, seed, req = self._request(text, params)
         outputs: list[RequestOutput] = []
         end: RequestOutput | TimeLimit | None = None
-        async with aclosing(_run(self._engine.generate(req), deadline)) as stream:
+        async with aclosing(_run(self._engine.generate(req, cause), deadline)) as stream:
             async for out in stream:
                 if isinstance(out, RequestOutput):
                     outputs.append(out)
@@ -87,15 +88,15 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GenerateStream(  # noqa: N802 (gRPC method name)
         self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerationResponse]:
+        headers = trace_headers(context)
+        bind_trace(headers)
         text, params = tgis_wire.single_request(request)
         deadline = _deadline(params)
         prompt_ids, seed, req = self._request(text, params)
-        headers = trace_headers(context)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
-        with structlog.contextvars.bound_contextvars(**log_fields(headers)):
-            async for message in self._stream(text, params, prompt_ids, seed, req, deadline):
-                yield message
+        async for message in self._stream(text, params, prompt_ids, seed, req, deadline, _end_cause(context, deadline)):
+            yield message
 
     async def _stream(
         self,
@@ -105,9 +106,10 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         seed: int | None,
         req: GenerationRequest,
         deadline: float | None,
+        cause: Callable[[], str],
     ) -> AsyncIterator[pb.GenerationResponse]:
         head = False
-        async with aclosing(_run(self._engine.generate(req), deadline)) as stream:
+        async with aclosing(_run(self._engine.generate(req, cause), deadline)) as stream:
             async for out in stream:
                 first = out if isinstance(out, RequestOutput) else None
                 if not head:
@@ -170,6 +172,19 @@ def _keep(num_tokens: int, truncate: int) -> int:
 def _deadline(params: TgisParams) -> float | None:
     """When time_limit_millis runs out, on the event loop's clock."""
     return None if params.time_limit is None else asyncio.get_running_loop().time() + params.time_limit
+
+
+def _end_cause(context: grpc.aio.ServicerContext, deadline: float | None) -> Callable[[], str]:
+    """Why the request ended early, for its request_aborted line: time_limit_millis ran out
+    (`_run` aborts it), else why the caller went away (`end_cause`: deadline, cancelled)."""
+    caller = end_cause(context)
+
+    def cause() -> str:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            return "time_limit"
+        return caller()
+
+    return cause
 
 
 async def _run(

@@ -25,7 +25,6 @@ from datetime import UTC, datetime
 from importlib import metadata
 
 import grpc
-import structlog
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -34,7 +33,7 @@ from scheduler_svc import vllm_wire
 from scheduler_svc.engine import Engine
 from scheduler_svc.kv_event_log import KvEventLog
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
-from scheduler_svc.servicer import end_cause, log_fields, trace_headers
+from scheduler_svc.servicer import bind_trace, end_cause, trace_headers
 from scheduler_svc.tokenizer_bundle import TokenizerBundle, build_bundle
 from scheduler_svc.vllm_wire import GenerateCall
 
@@ -82,15 +81,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._last_receive = time.time()
+        headers = trace_headers(context)
+        bind_trace(headers)
         call = vllm_wire.generate_call(request)
         prompt = self._prompt(call)
         req = replace(call.request, prompt_token_ids=tuple(prompt))
-        headers = trace_headers(context)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
-        with structlog.contextvars.bound_contextvars(**log_fields(headers)):
-            async for message in self._generate(call, req, prompt, end_cause(context)):
-                yield message
+        async for message in self._generate(call, req, prompt, end_cause(context)):
+            yield message
 
     def _prompt(self, call: GenerateCall) -> list[int]:
         """The prompt's token ids, truncated on the left as asked (vLLM keeps the prompt's end)."""
