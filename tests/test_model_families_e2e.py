@@ -34,6 +34,8 @@ from transformers import (
 
 from tests.conftest import collect, make_tiny_model, request, start_scheduler, start_worker, stop_scheduler
 
+PROMPT_LENGTHS = (20, 9, 31)
+NEW_TOKENS = 16
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "mistral-sliding-window": (MistralConfig, MistralForCausalLM, dict(sliding_window=7)),
     "qwen3-sliding-window": (
@@ -41,11 +43,31 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         Qwen3ForCausalLM,
         dict(head_dim=32, use_sliding_window=True, sliding_window=7, max_window_layers=1),
     ),
+    # Plain Qwen3: per-head q/k norms, head_dim 64 (not hidden / heads), no window; on the C++ path.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=64, tie_word_embeddings=False)),
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=8, num_experts_per_tok=2)),
     "qwen3-moe": (
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
         dict(head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0]),
+    ),
+    # Phi-3 LongRoPE: the short factors and the attention factor of 512 / 47. Every sequence
+    # stays within the original length: past it, transformers' `generate` drops its cache and
+    # rotates every position with the long factors, where we rotate only the positions past it
+    # with them (README, LongRoPE).
+    "phi3-longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=max(PROMPT_LENGTHS) + NEW_TOKENS,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.3 * i for i in range(8)],  # head_dim 16
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        ),
     ),
     "phi4-partial-rotary": (
         Phi3Config,
@@ -65,8 +87,6 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         ),
     ),
 }
-PROMPT_LENGTHS = (20, 9, 31)
-NEW_TOKENS = 16
 
 
 def reference_greedy(model_dir: Path, model_cls: Any, prompts: list[list[int]]) -> list[list[int]]:

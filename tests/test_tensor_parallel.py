@@ -95,6 +95,13 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             },
         ),
     ),
+    # Phi-4-mini's shape: 3/4 of each head rotates (in torch, whatever the kernels); a window
+    # on every layer.
+    "phi4-partial-rotary": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(pad_token_id=0, eos_token_id=1, partial_rotary_factor=0.75, sliding_window=6, tie_word_embeddings=True),
+    ),
     # Experts sharded along their intermediate width: every rank holds every expert's slice.
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3-moe": (
@@ -123,8 +130,9 @@ TABLES = {0: [7, 3, 12, 1], 1: [2, 9, 5, 14, 4, 11, 8], 2: [6, 13, 10]}
 LENGTHS = {0: 15, 1: 23, 2: 10}
 
 
-def save_checkpoint(path: Path, case: str) -> Path:
+def save_checkpoint(path: Path, case: str, **overrides: Any) -> Path:
     config_cls, model_cls, extra = CASES[case]
+    extra = extra | overrides
     torch.manual_seed(0)
     ref = model_cls(config_cls(**(BASE | extra))).float()
     with torch.no_grad():  # biases start at zero; a bias added tp times or dropped must show
@@ -139,7 +147,7 @@ def save_checkpoint(path: Path, case: str) -> Path:
     return path
 
 
-def run_steps(model_dir: str, group: ParallelGroup, vocab: int) -> torch.Tensor:
+def run_steps(model_dir: str, group: ParallelGroup, vocab: int, backend: str = "torch") -> torch.Tensor:
     """float32 logits [fed tokens of every step, vocab] of the fixed step sequence."""
     from worker_svc.runner import ModelRunner
 
@@ -148,11 +156,12 @@ def run_steps(model_dir: str, group: ParallelGroup, vocab: int) -> torch.Tensor:
             model=model_dir,
             dtype="float32",
             device="cpu",
-            attention_backend="torch",
+            attention_backend=backend,
             cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=0),
         ),
         group,
     )
+    assert runner.attention_backend == backend
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(0, vocab, (n,), generator=g).tolist() for i, n in LENGTHS.items()}
     out = []
@@ -181,12 +190,12 @@ def _rank_main(rank: int, init_method: str, tasks: list[Any], results: Any) -> N
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
         subgroups = {WORLD: None, 2: dist.new_group([0, 1])}  # every rank creates every group
         while (task := tasks[rank].get()) is not None:
-            model_dir, tp, vocab = task
+            model_dir, tp, vocab, backend = task
             if rank >= tp:
                 continue
             group = ParallelGroup(rank, tp, subgroups[tp])
             try:
-                out = run_steps(model_dir, group, vocab) if model_dir else collectives(group)
+                out = run_steps(model_dir, group, vocab, backend) if model_dir else collectives(group)
                 if rank == 0:
                     results.put(("ok", out))
             except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
@@ -211,10 +220,10 @@ class SpawnedRanks:
         for p in self.procs:
             p.start()
 
-    def run(self, model_dir: Path | str, tp: int, vocab: int) -> Any:
+    def run(self, model_dir: Path | str, tp: int, vocab: int, backend: str = "torch") -> Any:
         """Rank 0's answer: the logits of the model in `model_dir`, or (no dir) collectives()."""
         for q in self.tasks:
-            q.put((str(model_dir), tp, vocab))
+            q.put((str(model_dir), tp, vocab, backend))
         try:
             status, value = self.results.get(timeout=120)
         except queue.Empty:
@@ -257,6 +266,17 @@ def test_logits_equal_single_process(ranks: SpawnedRanks, tmp_path: Path, case: 
     for tp in (2, 4):
         got = ranks.run(model_dir, tp, vocab)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, tp=tp: f"tp={tp}: {m}")
+
+
+@pytest.mark.parametrize("case", ["gemma2", "mixtral", "qwen3-qk-norm"])
+def test_logits_equal_single_process_on_the_cpu_kernels(ranks: SpawnedRanks, tmp_path: Path, case: str) -> None:
+    """tp = 2 through our C++ kernels (the "cpu" backend: packed linears, norms, paged attention
+    over each rank's KV heads) against tp = 1 through them; head_dim 64, their smallest."""
+    model_dir = save_checkpoint(tmp_path, case, head_dim=64)
+    vocab = (BASE | CASES[case][2])["vocab_size"]
+    want = run_steps(str(model_dir), ParallelGroup(), vocab, "cpu")
+    got = ranks.run(model_dir, 2, vocab, "cpu")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 class RecordingSlice:
