@@ -11,6 +11,8 @@ in it; a step here mixes sequences of every length, so the table uses the short 
 agree with transformers for sequences that stay below that length, and for positions past
 it once a sequence has passed it; a prompt that crosses it in one forward gets short-set
 rotations for its first positions where transformers would use the long set throughout.
+(transformers' `generate` even drops its cache on crossing and rotates every position again
+with the long set; the KV cache here keeps what it holds, as vLLM's does.)
 
 cos/sin are computed once for every position in float32, scaled by the rope type's attention
 factor, and cast to the model dtype, exactly as the reference computes them per forward.
