@@ -28,6 +28,11 @@ from kernels.checks import dot_precision, pow2
 from kernels.fused_moe import BLOCK_M as MOE_BLOCK_M
 from kernels.fused_moe import _grouped_gemm_kernel
 from kernels.kv_store import _store_kv_kernel
+from kernels.lora import BLOCK_K as LORA_BLOCK_K
+from kernels.lora import BLOCK_M as LORA_BLOCK_M
+from kernels.lora import BLOCK_N as LORA_BLOCK_N
+from kernels.lora import MAX_BLOCK_R as LORA_MAX_BLOCK_R
+from kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.paged_attention import _decode_merge_kernel, _decode_partial_kernel, decode_launch
 from kernels.prefill_attention import _prefill_kernel, prefill_launch
 from kernels.rms_norm import _rms_norm_kernel
@@ -40,8 +45,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
-INT64_POINTERS = {"slot_ptr", "positions_ptr", "sorted_ids_ptr", "block_expert_ptr"}
-FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr", "weights_ptr"}
+INT64_POINTERS = {"slot_ptr", "positions_ptr", "sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr"}
+FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr", "weights_ptr", "scales_ptr"}
 BITMASK_POINTERS = {"masks_ptr"}  # int32 words of packed bits: data, not indices
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -247,6 +252,31 @@ def moe_cases(dtype: str) -> list[Case]:
     ]
 
 
+def lora_cases(dtype: str, hidden: int = 4096, rank: int = 64) -> list[Case]:
+    """Multi-LoRA shrink (x @ A.T, split-K) and expand (+= P @ B.T) of a hidden-square layer.
+
+    Feature counts and the strides they make are multiples of 16 at Llama-like widths, the rank
+    (and the strides it is) when it is; the split stride (tokens x rank) is never specialised."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    common = dict(
+        BLOCK_M=LORA_BLOCK_M,
+        BLOCK_R=min(pow2(rank, 16), LORA_MAX_BLOCK_R),
+        NATIVE_DOT=dtype != "fp32",
+        DOT_PRECISION=dot_precision(torch_dtype),
+    )
+    by_hidden = {"in_features", "out_features", "stride_xm", "stride_ar", "stride_om"} if hidden % 16 == 0 else set()
+    by_rank = {"rank", "stride_accm", "stride_bn"} if rank % 16 == 0 else set()
+    by_both = {"stride_as", "stride_bs"} if (hidden * rank) % 16 == 0 else set()
+    aligned = frozenset(by_hidden | by_rank | by_both)  # names a kernel lacks are ignored
+    name = f"h{hidden}-r{rank}"
+    shrink = dict(BLOCK_K=LORA_BLOCK_K, **common)
+    expand = dict(BLOCK_N=LORA_BLOCK_N, **common)
+    return [
+        Case(f"lora_shrink-{name}", _lora_shrink_kernel, dtype, shrink, aligned=aligned),
+        Case(f"lora_expand-{name}", _lora_expand_kernel, dtype, expand, aligned=aligned),
+    ]
+
+
 def worker_cases(
     head_dims: tuple[int, ...], dtypes: tuple[str, ...], hiddens: tuple[int, ...], wide_groups: tuple[int, ...] = ()
 ) -> list[Case]:
@@ -267,6 +297,7 @@ def worker_cases(
         out.append(silu_case(dtype))
         out += moe_cases(dtype)
         out.append(token_mask_case(dtype))
+        out += lora_cases(dtype)
     return out
 
 
@@ -288,6 +319,7 @@ def cases() -> list[Case]:
     out += [attention_cases(128, "bf16")[1], *layer_cases(80, "bf16")[:1], layer_cases(128, "bf16")[1]]
     out += [hidden_cases(1000, "bf16")[1], silu_case("bf16"), *moe_cases("bf16")]
     out += [token_mask_case("bf16", vocab=49155), token_mask_case("fp32")]
+    out += [*lora_cases("bf16", hidden=1000, rank=8), *lora_cases("fp32")]
     return out
 
 

@@ -48,6 +48,8 @@ def test_every_kernel_and_dtype_is_measured(resources: dict[str, object]) -> Non
         "moe_gate_up",
         "moe_down",
         "token_mask",
+        "lora_shrink",
+        "lora_expand",
     }
     assert {c["dtype"] for c in configs} == {"bf16", "fp16", "fp32"}
     assert {c["head_dim"] for c in configs if c["head_dim"] is not None} == {64, 128}
