@@ -37,6 +37,9 @@ from scheduler_svc.servicer import bind_trace, end_cause, trace_headers
 from scheduler_svc.tokenizer_bundle import TokenizerBundle, build_bundle
 from scheduler_svc.vllm_wire import GenerateCall
 
+# Highest SubscribeKvEvents cursor accepted, plus one (batch numbers are uint64).
+MAX_KV_CURSOR = 2**63
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FLUSH_POLL_S = 0.02
 
@@ -275,6 +278,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         if not self._engine.config.enable_prefix_caching:
             raise Unimplemented("SubscribeKvEvents: prefix caching is off on this server (--no-prefix-caching)")
+        if request.start_sequence_number >= MAX_KV_CURSOR:
+            # Batches after a cursor are numbered after it (a resync continues from it): one
+            # this high would leave no room in the uint64. Ours count from microseconds since
+            # the epoch, far below.
+            raise InvalidArgument(
+                "start_sequence_number",
+                f"{request.start_sequence_number} is beyond any number this server hands out (< 2^63)",
+            )
         # Load is not pushed on this stream (EngineLoad): the gateway keeps polling GetLoads.
         with self._kv_log.subscribe(request.start_sequence_number) as batches:
             # Headers now tell the subscriber that every later cache change reaches it.

@@ -541,6 +541,17 @@ async def test_kv_events_report_stored_and_removed_blocks(tiny_scheduler: Schedu
     lost.cancel()
 
 
+async def test_kv_events_refuse_a_cursor_with_no_room_after_it(tiny_scheduler: Scheduler) -> None:
+    # Found by benchmarks/fuzz_api.py: the resync batch numbered start + 1 overflowed the uint64
+    # (INTERNAL, "Value out of range").
+    for start in (2**64 - 1, 2**63):
+        call = stub(tiny_scheduler).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=start))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await next_batch(call)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "start_sequence_number" in (err.value.details() or "")
+
+
 async def test_unsupported_rpcs_and_reflection(tiny_scheduler: Scheduler) -> None:
     for call in (
         stub(tiny_scheduler).Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2]))),
