@@ -149,7 +149,9 @@ class Scheduler:
         self.http = http
         self.address = f"127.0.0.1:{self.port}"
         with ExitStack() as files:
-            stderr = files.enter_context(open(log, "w")) if log else None
+            # Appending: up's workers and smg write to the same file, and with a shared offset
+            # one process's line could land over another's (two lines ran into one).
+            stderr = files.enter_context(open(log, "a")) if log else None
             self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=stderr, env={**os.environ, "LLMSERVE_LOG_JSON": "1"})
 
     def events(self) -> list[str]:
