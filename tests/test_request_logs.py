@@ -75,7 +75,7 @@ def scheduler(
 ) -> Iterator[LoggingScheduler]:
     port = free_port()
     log = tmp_path_factory.mktemp("request-logs") / "scheduler.log"
-    with log.open("w") as sink:
+    with log.open("a") as sink:  # appending: processes sharing it never write over each other
         proc = subprocess.Popen(
             [
                 sys.executable,

@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 def _start_up(model: Path, port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     """`llmserve up` on `model` logging JSON to `log`, in its own session and process group as
     a shell starts a foreground job: killpg is then the terminal's Ctrl-C."""
-    with log.open("w") as sink:
+    with log.open("a") as sink:  # appending: processes sharing it never write over each other
         return subprocess.Popen(
             [
                 sys.executable,
