@@ -1,7 +1,7 @@
 """No kernel the worker launches at head_dim 64 or 128 spills registers on Hopper (sm_90).
 
 Runs benchmarks/kernel_resources.py --quick in a process of its own, without the
-interpreter (this session runs kernels in it, and interpreted kernels cannot be compiled).
+interpreter (the test process runs kernels in it, and interpreted kernels cannot be compiled).
 """
 
 from __future__ import annotations
