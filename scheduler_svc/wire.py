@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 from grpc_health.v1 import health_pb2
 
+from common import token_masks
 from common.arrays import pack, unpack
 from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import registry_pb2 as reg_pb
@@ -106,7 +107,7 @@ def _token_logprobs(entries: tuple[TokenLogprob, ...]) -> list[gen_pb.TokenLogpr
 
 def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
     s = plan.sampling
-    return worker_pb.StepPlan(
+    msg = worker_pb.StepPlan(
         step_id=plan.step_id,
         seq_ids=pack(plan.seq_ids, np.int64),
         query_lens=pack(plan.query_lens, np.int32),
@@ -134,13 +135,24 @@ def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
             prompt_logprobs=pack(s.prompt_logprobs, np.int32),
             prompt_next_token=pack(s.prompt_next_token, np.int32),
             mask_rows=pack(s.mask_rows, np.int32),
-            token_masks=pack(s.token_masks, np.int32),
-            token_mask_words=s.token_masks.shape[1],
         ),
         swap_out=pack(plan.swap_out, np.int32),
         swap_in=pack(plan.swap_in, np.int32),
         copy=pack(plan.copy, np.int32),
     )
+    if s.token_masks.size:
+        _put_token_masks(msg.sampling, s.token_masks)
+    return msg
+
+
+def _put_token_masks(sampling: worker_pb.SamplingBatch, masks: np.ndarray) -> None:
+    """Narrow rows as their allowed ids, the others as words (common/token_masks.py)."""
+    parts = token_masks.split(masks)
+    sampling.token_masks = pack(parts.dense, np.int32)
+    sampling.token_mask_words = masks.shape[1]
+    sampling.mask_sparse = pack(parts.sparse, np.uint8)
+    sampling.mask_id_offsets = pack(parts.offsets, np.int32)
+    sampling.mask_token_ids = pack(parts.ids, np.int32)
 
 
 def step_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:

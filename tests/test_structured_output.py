@@ -500,3 +500,28 @@ def test_a_constrained_prompt_chunk_does_not_stop_planning_ahead(smollm2_dir: Pa
     assert second is not None and second.sample.all() and s.num_planned_ahead == 1
     assert s.schedule() is None  # the sampling row's next mask waits for its token
     s.update(first, fake_execute(first))
+
+
+@pytest.mark.parametrize("words", [1, 32, 1537])
+def test_mask_rows_travel_as_ids_when_narrow_and_come_back_bit_for_bit(words: int) -> None:
+    from common import token_masks
+
+    rng = np.random.default_rng(words)
+    k = 9
+    masks = np.zeros((k, words), np.uint32)
+    for r in range(k):
+        allowed = rng.choice(
+            words * 32, size=min(words * 32, [0, 1, 5, 192, 193, 10_000, 3, 64, 700][r]), replace=False
+        )
+        np.bitwise_or.at(masks[r], allowed >> 5, np.left_shift(np.uint32(1), (allowed & 31).astype(np.uint32)))
+    masks[k - 1] = 0xFFFFFFFF  # everything allowed
+    masks = masks.view(np.int32)
+    parts = token_masks.split(masks)
+    counts = np.bitwise_count(masks.view(np.uint32)).sum(1)
+    assert parts.sparse.tolist() == (counts <= token_masks.SPARSE_MAX_IDS).astype(int).tolist()
+    assert parts.dense.shape == (k - int(parts.sparse.sum()), words)
+    token_masks.check(parts, words)
+    assert np.array_equal(token_masks.join(parts, words), masks)
+    bad = parts._replace(ids=parts.ids + words * 32) if parts.ids.size else parts._replace(offsets=parts.offsets + 1)
+    with pytest.raises(ValueError, match="mask_"):
+        token_masks.check(bad, words)

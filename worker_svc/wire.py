@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common import token_masks
 from common.arrays import pack, unpack
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import SamplingBatch, StepPlan, StepResult
@@ -45,7 +46,7 @@ def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
             prompt_logprobs=_optional(s.prompt_logprobs, np.int32, "sampling.prompt_logprobs", n),
             prompt_next_token=_optional(s.prompt_next_token, np.int32, "sampling.prompt_next_token", n),
             mask_rows=_optional(s.mask_rows, np.int32, "sampling.mask_rows", n),
-            token_masks=_masks(s.token_masks, s.token_mask_words),
+            token_masks=_masks(s),
         ),
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
@@ -59,11 +60,22 @@ def _optional(data: bytes, dtype: type, field: str, count: int) -> np.ndarray:
     return unpack(data, dtype, field, count if data else 0)
 
 
-def _masks(data: bytes, words: int) -> np.ndarray:
-    masks = unpack(data, np.int32, "sampling.token_masks")
-    if masks.size and (not words or masks.size % words):
-        raise ValueError(f"sampling.token_masks: {masks.size} words is not a whole number of rows of {words}")
-    return masks.reshape(-1, words) if masks.size else np.zeros((0, words), np.int32)
+def _masks(s: worker_pb.SamplingBatch) -> np.ndarray:
+    words = s.token_mask_words
+    dense = unpack(s.token_masks, np.int32, "sampling.token_masks")
+    if dense.size and (not words or dense.size % words):
+        raise ValueError(f"sampling.token_masks: {dense.size} words is not a whole number of rows of {words}")
+    dense = dense.reshape(-1, words) if dense.size else np.zeros((0, words), np.int32)
+    if not s.mask_sparse:
+        return dense
+    parts = token_masks.SplitMasks(
+        unpack(s.mask_sparse, np.uint8, "sampling.mask_sparse"),
+        dense,
+        unpack(s.mask_id_offsets, np.int32, "sampling.mask_id_offsets"),
+        unpack(s.mask_token_ids, np.int32, "sampling.mask_token_ids"),
+    )
+    token_masks.check(parts, words)
+    return token_masks.join(parts, words)
 
 
 def _pairs(data: bytes, field: str) -> np.ndarray:

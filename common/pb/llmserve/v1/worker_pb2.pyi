@@ -37,7 +37,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingBatch(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "bias_offsets", "bias_token_ids", "bias_values", "history_offsets", "history_token_ids", "prompt_logprobs", "prompt_next_token", "mask_rows", "token_masks", "token_mask_words")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "bias_offsets", "bias_token_ids", "bias_values", "history_offsets", "history_token_ids", "prompt_logprobs", "prompt_next_token", "mask_rows", "token_masks", "token_mask_words", "mask_sparse", "mask_id_offsets", "mask_token_ids")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,9 @@ class SamplingBatch(_message.Message):
     MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASK_WORDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SPARSE_FIELD_NUMBER: _ClassVar[int]
+    MASK_ID_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MASK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: bytes
     top_p: bytes
     top_k: bytes
@@ -78,7 +81,10 @@ class SamplingBatch(_message.Message):
     mask_rows: bytes
     token_masks: bytes
     token_mask_words: int
-    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ..., mask_rows: _Optional[bytes] = ..., token_masks: _Optional[bytes] = ..., token_mask_words: _Optional[int] = ...) -> None: ...
+    mask_sparse: bytes
+    mask_id_offsets: bytes
+    mask_token_ids: bytes
+    def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ..., mask_rows: _Optional[bytes] = ..., token_masks: _Optional[bytes] = ..., token_mask_words: _Optional[int] = ..., mask_sparse: _Optional[bytes] = ..., mask_id_offsets: _Optional[bytes] = ..., mask_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling", "swap_out", "swap_in", "copy")
