@@ -12,6 +12,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+MAX_LORA_RANK = 512  # the largest adapter rank a slot may be sized for
 
 
 def _require(condition: bool, message: str) -> None:
@@ -81,6 +82,12 @@ class SchedulerConfig:
     # Structured outputs: the longest run of whitespace a JSON output may hold between tokens
     # (JSON allows any; a model that starts emitting it may not stop).
     json_max_whitespace: int = 4
+    # LoRA adapters: requests may name one (adapter_id). Every worker group must then have
+    # adapter slots of at least max_lora_rank. lora_modules are (name, directory) pairs
+    # loaded at start; more come and go at run time (LoadAdapter, UnloadAdapter).
+    enable_lora: bool = False
+    max_lora_rank: int = 64
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
@@ -98,6 +105,34 @@ class SchedulerConfig:
         _require(self.json_max_whitespace >= 1, "json_max_whitespace must be at least 1")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(0 <= self.watermark < 1, "watermark must lie in [0, 1)")
+        _require(1 <= self.max_lora_rank <= MAX_LORA_RANK, f"max_lora_rank must lie in [1, {MAX_LORA_RANK}]")
+        _require(self.enable_lora or not self.lora_modules, "lora_modules need enable_lora")
+        names = [name for name, _ in self.lora_modules]
+        _require(len(set(names)) == len(names), "lora_modules names an adapter twice")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA on a worker: device slots of adapter weights and the host copies behind them."""
+
+    # Adapters one step may use (device slots, each as large as max_lora_rank).
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    # Adapters kept in host memory, so a slot is refilled without reading the files again;
+    # None = max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras must be at least 1")
+        _require(1 <= self.max_lora_rank <= MAX_LORA_RANK, f"max_lora_rank must lie in [1, {MAX_LORA_RANK}]")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras must be at least max_loras",
+        )
+
+    @property
+    def host_copies(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 @dataclass(frozen=True)
@@ -126,6 +161,8 @@ class WorkerConfig:
     world_size: int = 1
     dist_init_method: str = ""
     dist_timeout: float = 60.0
+    # None: no adapter slots (LoRA off).
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

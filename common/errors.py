@@ -19,6 +19,14 @@ class InvalidArgument(LlmserveError):
         self.field = field
 
 
+class NotFound(LlmserveError):
+    """A named thing (a LoRA adapter) that does not exist."""
+
+
+class AlreadyExists(LlmserveError):
+    """A name (a LoRA adapter's) that is taken."""
+
+
 class ResourceExhausted(LlmserveError):
     """Queue full, or a request that can never fit the KV cache."""
 

@@ -15,6 +15,8 @@ log = structlog.get_logger(__name__)
 STATUS_OF: dict[type[errors.LlmserveError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,

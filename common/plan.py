@@ -86,6 +86,18 @@ def no_block_ops() -> I32:
 
 
 @dataclass(frozen=True)
+class AdapterLoad:
+    """ "Put adapter `name` (PEFT files in directory `path`, as the workers see it) into device
+    slot `slot` before this step's forward pass". `version` tells apart two adapters loaded under
+    one name at different times: a worker's host copy is keyed by (name, version, path)."""
+
+    slot: int
+    name: str
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step_id: int
     seq_ids: I64  # [num_seqs]
@@ -102,6 +114,12 @@ class StepPlan:
     swap_out: I32 = field(default_factory=no_block_ops)
     swap_in: I32 = field(default_factory=no_block_ops)
     copy: I32 = field(default_factory=no_block_ops)
+    # LoRA: adapters loaded into device slots before the forward pass (after the block
+    # operations), and the slot each sequence's tokens run through, -1 = the base model.
+    # Empty lora_slots: every sequence runs the base model. A slot keeps its adapter across
+    # steps (weights, like the model's) until a later load replaces it.
+    adapter_loads: tuple[AdapterLoad, ...] = ()
+    lora_slots: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -171,6 +189,13 @@ class StepPlan:
             ops = getattr(self, name)
             if ops.ndim != 2 or ops.shape[1] != 2:
                 raise ValueError(f"plan.{name} has shape {ops.shape}, want (k, 2)")
+        if self.lora_slots.shape not in ((n,), (0,)):
+            raise ValueError("plan.lora_slots must have one entry per sequence, or none")
+        if self.lora_slots.size and int(self.lora_slots.min()) < -1:
+            raise ValueError("plan.lora_slots holds a slot below -1")
+        loaded = [load.slot for load in self.adapter_loads]
+        if any(slot < 0 for slot in loaded) or len(set(loaded)) != len(loaded):
+            raise ValueError("plan.adapter_loads must name distinct slots >= 0")
 
 
 @dataclass(frozen=True)

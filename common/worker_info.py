@@ -18,3 +18,6 @@ class WorkerInfo:
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_bytes: int = 0  # K and V of every layer for one block
+    # LoRA: device adapter slots (0 = adapters off) and the largest rank a slot holds.
+    max_loras: int = 0
+    max_lora_rank: int = 0

@@ -139,6 +139,10 @@ def step_plan(plan: StepPlan) -> worker_pb.StepPlan:
         swap_out=pack(plan.swap_out, np.int32),
         swap_in=pack(plan.swap_in, np.int32),
         copy=pack(plan.copy, np.int32),
+        adapter_loads=[
+            worker_pb.AdapterLoad(slot=a.slot, name=a.name, path=a.path, version=a.version) for a in plan.adapter_loads
+        ],
+        lora_slots=pack(plan.lora_slots, np.int32),
     )
     if s.token_masks.size:
         _put_token_masks(msg.sampling, s.token_masks)
@@ -204,6 +208,8 @@ def worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
         num_gpu_blocks=msg.num_gpu_blocks,
         num_cpu_blocks=msg.num_cpu_blocks,
         block_bytes=msg.block_bytes,
+        max_loras=msg.max_loras,
+        max_lora_rank=msg.max_lora_rank,
     )
 
 

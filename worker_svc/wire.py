@@ -7,7 +7,7 @@ import numpy as np
 from common import token_masks
 from common.arrays import pack, unpack
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
-from common.plan import SamplingBatch, StepPlan, StepResult
+from common.plan import AdapterLoad, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 
 
@@ -51,6 +51,8 @@ def step_plan(msg: worker_pb.StepPlan) -> StepPlan:
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
         copy=_pairs(msg.copy, "copy"),
+        adapter_loads=tuple(AdapterLoad(a.slot, a.name, a.path, a.version) for a in msg.adapter_loads),
+        lora_slots=_optional(msg.lora_slots, np.int32, "lora_slots", n),
     )
 
 
@@ -117,4 +119,6 @@ def worker_info(info: WorkerInfo) -> worker_pb.WorkerInfo:
         num_gpu_blocks=info.num_gpu_blocks,
         num_cpu_blocks=info.num_cpu_blocks,
         block_bytes=info.block_bytes,
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
     )

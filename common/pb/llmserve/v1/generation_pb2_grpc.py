@@ -65,6 +65,21 @@ class GenerationStub:
                 request_serializer=llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_generation__pb2.Load.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/llmserve.v1.Generation/LoadAdapter',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/llmserve.v1.Generation/UnloadAdapter',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/llmserve.v1.Generation/ListAdapters',
+                request_serializer=llmserve_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -117,6 +132,30 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Registers a LoRA adapter (PEFT files in a directory the workers can read) under a name that
+        requests then pass as adapter_id. INVALID_ARGUMENT when the files are unusable (a rank above
+        --max-lora-rank, a module we cannot adapt, shapes that do not fit the model) or when the
+        server runs without --enable-lora; ALREADY_EXISTS when the name is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter: new requests naming it get NOT_FOUND; requests in flight finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +188,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_generation__pb2.Load.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=llmserve_dot_v1_dot_generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_generation__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +368,87 @@ class Generation:
             '/llmserve.v1.Generation/GetLoad',
             llmserve_dot_v1_dot_generation__pb2.GetLoadRequest.SerializeToString,
             llmserve_dot_v1_dot_generation__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/LoadAdapter',
+            llmserve_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/UnloadAdapter',
+            llmserve_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/ListAdapters',
+            llmserve_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+            llmserve_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

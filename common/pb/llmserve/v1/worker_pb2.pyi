@@ -1,7 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks", "block_bytes")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks", "block_bytes", "max_loras", "max_lora_rank")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class WorkerInfo(_message.Message):
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -34,7 +36,21 @@ class WorkerInfo(_message.Message):
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+
+class AdapterLoad(_message.Message):
+    __slots__ = ("slot", "name", "path", "version")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    path: str
+    version: int
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SamplingBatch(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "bias_offsets", "bias_token_ids", "bias_values", "history_offsets", "history_token_ids", "prompt_logprobs", "prompt_next_token", "mask_rows", "token_masks", "token_mask_words", "mask_sparse", "mask_id_offsets", "mask_token_ids")
@@ -87,7 +103,7 @@ class SamplingBatch(_message.Message):
     def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ..., mask_rows: _Optional[bytes] = ..., token_masks: _Optional[bytes] = ..., token_mask_words: _Optional[int] = ..., mask_sparse: _Optional[bytes] = ..., mask_id_offsets: _Optional[bytes] = ..., mask_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling", "swap_out", "swap_in", "copy")
+    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_tables", "block_table_width", "sample", "sampling", "swap_out", "swap_in", "copy", "adapter_loads", "lora_slots")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +116,8 @@ class StepPlan(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     query_lens: bytes
@@ -112,7 +130,9 @@ class StepPlan(_message.Message):
     swap_out: bytes
     swap_in: bytes
     copy: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ...) -> None: ...
+    adapter_loads: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
+    lora_slots: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., block_table_width: _Optional[int] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., lora_slots: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds")
