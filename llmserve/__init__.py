@@ -2,6 +2,7 @@
 
     from llmserve import LLM, SamplingParams          # offline batch generation, vLLM's shape
     from llmserve import StructuredOutputsParams      # ... constrained to a JSON schema, regex, ...
+    from llmserve import LoRARequest                  # ... through a LoRA adapter
     from llmserve import LlmserveClient               # a client of a running service
 
 Names load on first use, so `import llmserve` alone starts nothing and imports neither torch
@@ -19,6 +20,7 @@ _EXPORTS = {
     "LLM": "llmserve.llm",
     "SamplingParams": "llmserve.sampling_params",
     "StructuredOutputsParams": "llmserve.sampling_params",
+    "LoRARequest": "llmserve.lora_request",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
 }

@@ -32,6 +32,7 @@ from common.config import (
     DTYPES,
     PREEMPTION_MODES,
     CacheConfig,
+    LoraConfig,
     SchedulerConfig,
     ServerConfig,
     TlsClientConfig,
@@ -149,6 +150,29 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=4,
         help="longest run of whitespace a JSON structured output may hold between tokens (default 4)",
     )
+    _add_lora_flags(p)
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT directories) served from the start, by name; implies --enable-lora",
+    )
+
+
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """What the scheduler and its workers must agree on (`worker` has its own copy of these)."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: workers hold --max-loras adapter slots, requests name an adapter in adapter_id",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=64,
+        help="largest LoRA rank accepted, and the size of each slot (default 64)",
+    )
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -203,6 +227,18 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=_at_least(1, int),
+        default=4,
+        help="with --enable-lora: distinct adapters one step may use, i.e. device slots per worker (default 4)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=_at_least(1, int),
+        default=None,
+        help="with --enable-lora: adapters a worker keeps in host memory to refill slots from (default --max-loras)",
     )
 
 
@@ -328,6 +364,7 @@ def _parser() -> argparse.ArgumentParser:
         default=256,
         help="largest decode batch to capture a CUDA graph for (the scheduler's --max-num-seqs; default 256)",
     )
+    _add_lora_flags(worker)
     worker.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port of this worker; 0 = off")
     worker.add_argument(
@@ -533,7 +570,24 @@ def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         json_max_whitespace=a.json_max_whitespace,
         # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
         block_size=a.block_size,
+        enable_lora=_lora_enabled(a),
+        max_lora_rank=a.max_lora_rank,
+        lora_modules=_lora_modules(a.lora_modules),
     )
+
+
+def _lora_enabled(a: argparse.Namespace) -> bool:
+    return bool(a.enable_lora or getattr(a, "lora_modules", None))
+
+
+def _lora_modules(items: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {item!r} is not NAME=DIR")
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
@@ -559,6 +613,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         world_size=getattr(a, "world_size", None) or 1,
         dist_init_method=getattr(a, "dist_init", ""),
         dist_timeout=a.dist_timeout,
+        lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if _lora_enabled(a) else None,
     )
 
 
@@ -626,6 +681,10 @@ def _worker_args(a: argparse.Namespace, model: str) -> list[str]:
         cmd += ["--profile-steps"]
     if a.enforce_eager:
         cmd += ["--enforce-eager"]
+    if _lora_enabled(a):
+        cmd += ["--enable-lora", "--max-lora-rank", str(a.max_lora_rank), "--max-loras", str(a.max_loras)]
+        if a.max_cpu_loras is not None:
+            cmd += ["--max-cpu-loras", str(a.max_cpu_loras)]
     return cmd
 
 

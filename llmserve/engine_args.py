@@ -60,6 +60,10 @@ def engine_args(model: str | None, log_level: str, options: dict[str, Any]) -> E
                 raise ValueError(f"{name}: must be True or False, got {value!r}")
             if value != action.default:
                 argv.append(flag)
+        elif action.nargs == "+":  # lora_modules: {name: dir}, or ["NAME=DIR", ...]
+            items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else [str(v) for v in value]
+            if items:
+                argv += [flag, *items]
         elif value is not None:  # None keeps the default
             argv += [flag, str(value)]
     flags = _parse(argv, known)

@@ -14,6 +14,7 @@ tokenized here, so each output carries its prompt's token ids and a too-long pro
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import weakref
@@ -26,6 +27,7 @@ from common import log as logsetup
 from common.errors import LlmserveError
 from llmserve.engine_args import engine_args
 from llmserve.local_engine import LocalEngine, python_error
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput, request_output
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler_svc.request import GenerationRequest
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 Prompt = str | Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 Params = SamplingParams | Sequence[SamplingParams] | None
+# A LoRA adapter for every prompt, or one per prompt (None: the base model); a name selects an
+# adapter the engine already serves (lora_modules=...).
+Adapters = LoRARequest | str | Sequence[LoRARequest | str | None] | None
 
 
 class LLM:
@@ -81,22 +86,35 @@ class LLM:
         return AutoTokenizer.from_pretrained(self._engine.model)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, use_tqdm: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: Params = None,
+        use_tqdm: bool = True,
+        lora_request: Adapters = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. `sampling_params`: one for every prompt, or
-        a list with one per prompt; default SamplingParams()."""
+        a list with one per prompt; default SamplingParams(). `lora_request`: the LoRA adapter
+        of every prompt, or a list with one per prompt (None: the base model)."""
         items = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         resolved = [self._prompt(i, p) for i, p in enumerate(items)]
-        return self._run(resolved, sampling_params, use_tqdm)
+        return self._run(resolved, sampling_params, use_tqdm, lora_request)
 
     def chat(
-        self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None, use_tqdm: bool = True
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: Params = None,
+        use_tqdm: bool = True,
+        lora_request: Adapters = None,
     ) -> list[RequestOutput]:
         """Generate the next turn of one conversation or of each of a list of them, rendered with
         the model's chat template and its generation prompt."""
         conversations = [messages] if not messages or isinstance(messages[0], Mapping) else list(messages)
         resolved = [self._conversation(i, c) for i, c in enumerate(conversations)]  # type: ignore[arg-type]
-        return self._run(resolved, sampling_params, use_tqdm)
+        return self._run(resolved, sampling_params, use_tqdm, lora_request)
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRA adapters the engine serves."""
+        return [a.name for a in self._engine.engine.adapters.list()]
 
     def close(self) -> None:
         """Stop the engine and its worker processes and remove their socket directory."""
@@ -147,9 +165,15 @@ class LLM:
         # The rendered conversation holds its special tokens already.
         return text, self._engine.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], params: Params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[tuple[str | None, list[int]]], params: Params, use_tqdm: bool, adapters: Adapters = None
+    ) -> list[RequestOutput]:
         per_prompt = _per_prompt(params, len(prompts))
-        requests = [self._request(ids, p) for (_, ids), p in zip(prompts, per_prompt)]
+        names = self._adapter_names(adapters, len(prompts))
+        requests = [
+            dataclasses.replace(self._request(ids, p), adapter_id=name)
+            for (_, ids), p, name in zip(prompts, per_prompt, names)
+        ]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -175,6 +199,33 @@ class LLM:
             )
             for (text, _), req, p, got in zip(prompts, requests, per_prompt, pieces)
         ]
+
+    def _adapter_names(self, adapters: Adapters, count: int) -> list[str]:
+        """Each prompt's adapter name ("" = the base model), registering the LoRARequests the
+        engine does not serve yet."""
+        if adapters is None or isinstance(adapters, (LoRARequest, str)):
+            given: list[LoRARequest | str | None] = [adapters] * count
+        else:
+            given = list(adapters)
+            if len(given) != count:
+                raise ValueError(f"lora_request: {len(given)} adapters for {count} prompts")
+        known = set(self.list_loras())
+        names = []
+        for i, item in enumerate(given):
+            if isinstance(item, LoRARequest):
+                if item.lora_name not in known:
+                    if not item.lora_path:
+                        raise ValueError(
+                            f"lora_request[{i}]: adapter {item.lora_name!r} is not served and has no lora_path"
+                        )
+                    self._engine.call(_load_adapter(self._engine, item.lora_name, item.lora_path))
+                    known.add(item.lora_name)
+                names.append(item.lora_name)
+            elif item is None or isinstance(item, str):
+                names.append(item or "")
+            else:
+                raise ValueError(f"lora_request[{i}]: want a LoRARequest, an adapter name or None, got {item!r}")
+        return names
 
     def _request(self, prompt_token_ids: list[int], p: SamplingParams) -> GenerationRequest:
         """The engine's request for one prompt: vLLM's conventions turned into the native API's
@@ -239,3 +290,8 @@ def _per_prompt(params: Params, count: int) -> list[SamplingParams]:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling_params[{i}]: want SamplingParams, got {type(p).__name__}")
     return listed
+
+
+async def _load_adapter(engine: LocalEngine, name: str, path: str) -> None:
+    """On the engine's loop, which owns the adapter registry."""
+    engine.engine.load_adapter(name, path)

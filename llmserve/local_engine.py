@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from common.errors import InvalidArgument, LlmserveError, Unimplemented
+from common.errors import InvalidArgument, LlmserveError, NotFound, Unimplemented
 from common.model_spec import ModelSpec
 from llmserve import cli
 from llmserve.engine_args import EngineArgs
@@ -200,4 +200,6 @@ def python_error(error: LlmserveError) -> Exception:
         return ValueError(str(error))
     if isinstance(error, Unimplemented):
         return NotImplementedError(str(error))
+    if isinstance(error, NotFound):
+        return LookupError(str(error))
     return RuntimeError(f"{type(error).__name__}: {error}")

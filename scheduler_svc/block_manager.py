@@ -94,10 +94,11 @@ class BlockManager:
 
     # ---- prefix cache ----
 
-    def _chain(self, seq_id: int, token_ids: Sequence[int], num_blocks: int) -> list[int]:
-        """Chain hashes of the first `num_blocks` full blocks (extended lazily, tokens only grow)."""
+    def _chain(self, seq_id: int, token_ids: Sequence[int], num_blocks: int, salt: int) -> list[int]:
+        """Chain hashes of the first `num_blocks` full blocks (extended lazily, tokens only grow;
+        a sequence's salt never changes)."""
         hashes = self._hashes.setdefault(seq_id, [])
-        extend_chain(hashes, token_ids, self.block_size, num_blocks)
+        extend_chain(hashes, token_ids, self.block_size, num_blocks, salt)
         return hashes
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
@@ -112,8 +113,9 @@ class BlockManager:
                 return i
         return len(hashes)
 
-    def prefix_hit(self, seq_id: int, token_ids: Sequence[int]) -> list[int]:
+    def prefix_hit(self, seq_id: int, token_ids: Sequence[int], salt: int = 0) -> list[int]:
         """Indexed blocks holding the longest prefix of `token_ids`; empty if caching is off.
+        `salt` keys the chain (a LoRA adapter's: its KV differs for the same tokens).
 
         At least one token is always left to compute: the step that feeds it yields the logits
         the next token is sampled from.
@@ -124,7 +126,7 @@ class BlockManager:
         hit: list[int] = []
         # The chain may be longer than `limit`: commit() hashes every computed block, and a
         # sequence that computed all of its tokens can be dropped before it samples one more.
-        for content_hash in self._chain(seq_id, token_ids, limit)[:limit]:
+        for content_hash in self._chain(seq_id, token_ids, limit, salt)[:limit]:
             block = self.gpu.lookup(content_hash)
             if block is None:
                 break
@@ -146,14 +148,14 @@ class BlockManager:
         self._indexed[seq_id] = len(hit)
         self._mirror(seq_id)
 
-    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int, salt: int = 0) -> None:
         """Index the blocks that became full and computed, so later requests can reuse them."""
         full = num_computed // self.block_size
         done = self._indexed.get(seq_id, 0)
         if full <= done or not self.gpu.enable_caching:
             return
         table = self._tables[seq_id]
-        hashes = self._chain(seq_id, token_ids, full)
+        hashes = self._chain(seq_id, token_ids, full, salt)
         size = self.block_size
         for i in range(done, full):
             if self.gpu.register(table[i], hashes[i]):
@@ -387,9 +389,10 @@ class BlockManager:
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")
 
 
-def extend_chain(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
-    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids`."""
-    parent = hashes[-1] if hashes else _ROOT_HASH
+def extend_chain(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int, salt: int = 0) -> None:
+    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids`; a
+    non-zero `salt` (a LoRA adapter's) starts a chain of its own."""
+    parent = hashes[-1] if hashes else (_ROOT_HASH if not salt else hash((_ROOT_HASH, salt)))
     for i in range(len(hashes), num_blocks):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)

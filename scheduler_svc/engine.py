@@ -21,6 +21,7 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Cancelled, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
+from scheduler_svc.adapters import Adapter, AdapterRegistry
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.chat_template import ChatTemplate
 from scheduler_svc.fleet import Fleet
@@ -74,6 +75,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._draining = False
         self._grammars = GrammarCompiler(spec.path, spec.vocab_size, spec.eos_token_ids, config.json_max_whitespace)
+        self.adapters = AdapterRegistry(spec.path, config.max_lora_rank, config.enable_lora)
+        for name, path in config.lora_modules:  # a bad one stops the server at start, with its reason
+            self.adapters.load(name, path)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -153,7 +157,8 @@ class Engine:
         `cause` names why the caller went away when this generator is cancelled (the API
         knows: a deadline, a cancel); it goes into the request_aborted log line."""
         tokens = self._checked_prompt(req)
-        stream = self._admit(req, tokens, await self._grammar(req))
+        adapter = self.adapters.get(req.adapter_id) if req.adapter_id else None
+        stream = self._admit(req, tokens, await self._grammar(req), adapter)
         # Every log line of this handler's task carries the request id from here on.
         structlog.contextvars.bind_contextvars(request_id=stream.request_id)
         done = False
@@ -211,7 +216,9 @@ class Engine:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         return ready
 
-    def _admit(self, req: GenerationRequest, tokens: list[int], grammar: Grammar | None = None) -> RequestStream:
+    def _admit(
+        self, req: GenerationRequest, tokens: list[int], grammar: Grammar | None = None, adapter: Adapter | None = None
+    ) -> RequestStream:
         ready = self._ready_replicas()  # again: a drain or a worker loss may begin during a compile
         request_id = req.request_id or uuid.uuid4().hex
         if self._streams.get(request_id) is not None:
@@ -220,7 +227,12 @@ class Engine:
         sampling = sampling_params(req, seed, self.limits)
         total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
         target = self._fleet.router.place(
-            ready, tokens, total, max(sampling.best_of, sampling.beam_width), sampling.beam_width > 1
+            ready,
+            tokens,
+            total,
+            max(sampling.best_of, sampling.beam_width),
+            sampling.beam_width > 1,
+            cache_salt=adapter.cache_salt if adapter is not None else 0,
         )
         arrival = next(self._arrivals)
         seq = Sequence(
@@ -232,7 +244,7 @@ class Engine:
             arrival=arrival,
             grammar=grammar,
         )
-        group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority)
+        group = SequenceGroup(request_id, [seq], sampling, arrival, priority=req.priority, adapter=adapter)
         # The caller's trace ids (bound by the API handler) go on the request's lines that the
         # step loop writes too, which runs in another task.
         trace = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in TRACE_FIELDS}
@@ -240,6 +252,8 @@ class Engine:
         self._streams.add(stream)
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
+        if adapter is not None:
+            self.metrics.adapter_requests(adapter.name).inc()
         log.info(
             "request_admitted",
             request_id=request_id,
@@ -250,6 +264,7 @@ class Engine:
             n=sampling.n,
             best_of=sampling.best_of,
             beam_width=sampling.beam_width,
+            adapter=adapter.name if adapter is not None else None,
         )
         return stream
 
@@ -274,7 +289,23 @@ class Engine:
             has_chat_template=self.chat_template is not None,
             limits=self.limits,
             max_queue_len=self.config.max_queue_len,
+            adapters=tuple(self.adapters.list()),
         )
+
+    # ---- LoRA adapters ----
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Register an adapter (its files checked against the model first); requests may then
+        name it. Worker groups fetch its weights when a step first needs them."""
+        adapter = self.adapters.load(name, path)
+        log.info("adapter_loaded", adapter=name, path=path, rank=adapter.rank, modules=list(adapter.target_modules))
+        return adapter
+
+    def unload_adapter(self, name: str) -> Adapter:
+        """Forget an adapter: new requests naming it are NOT_FOUND; those in flight keep it."""
+        adapter = self.adapters.unload(name)
+        log.info("adapter_unloaded", adapter=name)
+        return adapter
 
     def load(self) -> Load | None:
         """Queue lengths and KV usage, in all and per worker group; None while none serves."""

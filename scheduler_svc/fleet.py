@@ -200,7 +200,7 @@ class Fleet:
                 await asyncio.sleep(4.0)
             return
         replica.info = info
-        replica.reported = (0, 0, 0, 0)
+        replica.reported = (0, 0, 0, 0, 0)
         replica.scheduler = Scheduler(
             self.config,
             BlockManager(
@@ -213,6 +213,7 @@ class Fleet:
             eos_token_ids=self.spec.eos_token_ids,
             block_bytes=info.block_bytes,
             seq_ids=self.seq_ids,
+            num_lora_slots=info.max_loras if self.config.enable_lora else 0,
         )
         log.info(
             "worker_ready",
@@ -224,6 +225,7 @@ class Fleet:
             num_cpu_blocks=info.num_cpu_blocks,
             block_size=info.block_size,
             max_model_len=replica.scheduler.max_model_len,
+            lora_slots=info.max_loras,
         )
         await self._refresh_ready()
         try:
@@ -309,6 +311,13 @@ class Fleet:
             return "worker reports no KV blocks"
         if self.block_size and info.block_size != self.block_size:
             return f"worker uses KV blocks of {info.block_size} tokens, this scheduler {self.block_size}; start it with --block-size {self.block_size}"
+        if self.config.enable_lora and not info.max_loras:
+            return "worker has no LoRA adapter slots and this scheduler serves adapters; start it with --enable-lora"
+        if self.config.enable_lora and info.max_lora_rank < self.config.max_lora_rank:
+            return (
+                f"worker's LoRA slots hold rank {info.max_lora_rank}, this scheduler accepts adapters up to rank "
+                f"{self.config.max_lora_rank}; start it with --max-lora-rank {self.config.max_lora_rank}"
+            )
         return None
 
     def _apply_inbox(self, replica: Replica, scheduler: Scheduler) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.adapters import Adapter
 from scheduler_svc.request import Limits
 
 
@@ -17,6 +18,7 @@ class ModelInfo:
     has_chat_template: bool
     limits: Limits
     max_queue_len: int
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters requests may name
 
 
 @dataclass(frozen=True)

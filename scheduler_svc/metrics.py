@@ -69,6 +69,17 @@ class SchedulerMetrics:
             "llmserve:step_part_seconds", "Seconds spent in each part of the steps.", ["model_name", "part"], registry=r
         )
         self._part_children: dict[str, Counter] = {}
+        # LoRA: per adapter (labelled with its name), and the slot loads of every worker group.
+        by_adapter = ["model_name", "adapter"]
+        self._adapter_requests = Counter(
+            "llmserve:adapter_requests", "Requests admitted, per LoRA adapter.", by_adapter, registry=r
+        )
+        self._adapter_tokens = Counter(
+            "llmserve:adapter_generation_tokens", "Tokens generated, per LoRA adapter.", by_adapter, registry=r
+        )
+        self.adapter_loads = counter(
+            "llmserve:adapter_slot_loads", "LoRA adapters put into a worker group's device slot."
+        )
 
         # Per worker group (data-parallel replica), labelled with its name.
         by_group = ["model_name", "group"]
@@ -90,6 +101,12 @@ class SchedulerMetrics:
             if child is None:
                 child = self._part_children[part] = self._step_parts.labels(self.model_name, part)
             child.inc(seconds)
+
+    def adapter_requests(self, adapter: str) -> Counter:
+        return self._adapter_requests.labels(self.model_name, adapter)
+
+    def adapter_tokens(self, adapter: str) -> Counter:
+        return self._adapter_tokens.labels(self.model_name, adapter)
 
     def group(self, name: str) -> _GroupGauges:
         """The group's gauges; set every step, so the labelled children are looked up once."""

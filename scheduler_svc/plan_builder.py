@@ -12,14 +12,16 @@ from __future__ import annotations
 import numpy as np
 
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan
+from scheduler_svc.adapter_slots import AdapterSlots
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.grammar import fill_masks
 from scheduler_svc.sequence import Sequence
 
 
 class PlanBuilder:
-    def __init__(self, bm: BlockManager) -> None:
+    def __init__(self, bm: BlockManager, slots: AdapterSlots | None = None) -> None:
         self.bm = bm
+        self.slots = slots if slots is not None else AdapterSlots(0)
         self._ids: list[int] = []
         self._rows_epoch = -1
         self._static: dict[str, np.ndarray] = {}
@@ -40,6 +42,9 @@ class PlanBuilder:
             self._penalized = [i for i, q in enumerate(seqs) if q.sampling.penalized]
             self._prompt_scored = [i for i, q in enumerate(seqs) if q.sampling.prompt_logprobs is not None]
             self._constrained = [i for i, q in enumerate(seqs) if q.grammar is not None]
+            # A running group keeps its slot (a referenced slot is never refilled), so the
+            # rows' slots hold while the rows do.
+            self._static["lora_slots"] = _lora_slots(seqs, self.slots)
             self._rows_epoch = -1
         if self._rows_epoch != bm.rows_epoch:
             self._static["rows"] = bm.rows_of(ids)
@@ -102,7 +107,17 @@ class PlanBuilder:
             swap_out=swap_out,
             swap_in=swap_in,
             copy=copy,
+            adapter_loads=self.slots.take_loads(),
+            lora_slots=st["lora_slots"],
         )
+
+
+def _lora_slots(seqs: list[Sequence], slots: AdapterSlots) -> np.ndarray:
+    """Each row's LoRA slot, -1 for the base model; empty when no row has an adapter."""
+    adapters = [s.group.adapter if s.group is not None else None for s in seqs]
+    if not any(adapters):
+        return _NONE_I32
+    return np.array([slots.slot_of(a) if a is not None else -1 for a in adapters], dtype=np.int32)
 
 
 _NONE_I32 = np.zeros(0, np.int32)

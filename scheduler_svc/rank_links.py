@@ -64,6 +64,9 @@ class RankLinks:
             infos[0],
             num_gpu_blocks=min(i.num_gpu_blocks for i in infos),
             num_cpu_blocks=min(i.num_cpu_blocks for i in infos),
+            # Every rank runs every slot the plan names: the group has what its smallest rank has.
+            max_loras=min(i.max_loras for i in infos),
+            max_lora_rank=min(i.max_lora_rank for i in infos),
         )
 
     async def execute(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:

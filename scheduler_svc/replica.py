@@ -54,8 +54,8 @@ class Replica:
     task: asyncio.Task[None] | None = None
     stats: EngineStats = field(default_factory=EngineStats)
     # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits,
-    # steps planned ahead).
-    reported: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # steps planned ahead, adapter slot loads).
+    reported: tuple[int, ...] = (0, 0, 0, 0, 0)
 
     @property
     def ready(self) -> bool:
@@ -129,7 +129,7 @@ class Replica:
             hashes: list[int] = []
             if bm.gpu.enable_caching:
                 # As in BlockManager.prefix_hit: the last token is always computed.
-                extend_chain(hashes, tokens, bm.block_size, (len(tokens) - 1) // bm.block_size)
+                extend_chain(hashes, tokens, bm.block_size, (len(tokens) - 1) // bm.block_size, group.cache_salt)
             total += len(tokens) - bm.cached_prefix_blocks(hashes) * bm.block_size
         return total
 

@@ -50,6 +50,7 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the text stop strings are matched against
     structured_output: StructuredOutput | None = None
+    adapter_id: str = ""  # a LoRA adapter's name; empty = the base model
 
 
 @dataclass(frozen=True)

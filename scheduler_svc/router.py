@@ -30,10 +30,13 @@ class Router:
         self.config = config
         self.enable_prefix_caching = config.enable_prefix_caching
 
-    def place(self, ready: list[Replica], token_ids: Sequence[int], total: int, width: int, beam: bool) -> Replica:
+    def place(
+        self, ready: list[Replica], token_ids: Sequence[int], total: int, width: int, beam: bool, cache_salt: int = 0
+    ) -> Replica:
         """The group a new request goes to, or the error saying why no group can take it.
 
-        `total` is the most tokens each of its `width` sequences may reach.
+        `total` is the most tokens each of its `width` sequences may reach; `cache_salt` keys its
+        prefix-cache chain (a LoRA adapter's).
         """
         c = self.config
         for name, limit in (("max_num_seqs", c.max_num_seqs), ("max_num_batched_tokens", c.max_num_batched_tokens)):
@@ -52,7 +55,7 @@ class Router:
                 f"{total} tokens), more than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size}); "
                 f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width"
             )
-        target = self.pick([r for r in fit if r.num_queued < c.max_queue_len], token_ids)
+        target = self.pick([r for r in fit if r.num_queued < c.max_queue_len], token_ids, cache_salt)
         if target is None:
             raise ResourceExhausted(
                 f"the waiting queue is full ({sum(r.num_queued for r in fit)} requests, --max-queue-len "
@@ -62,9 +65,9 @@ class Router:
 
     def place_moved(self, targets: list[Replica], group: SequenceGroup) -> Replica | None:
         """Where a lost group's request can continue exactly as it would have, if anywhere."""
-        return self.pick([r for r in targets if _fits(r, group)], group.seqs[0].token_ids)
+        return self.pick([r for r in targets if _fits(r, group)], group.seqs[0].token_ids, group.cache_salt)
 
-    def pick(self, candidates: list[Replica], token_ids: Sequence[int]) -> Replica | None:
+    def pick(self, candidates: list[Replica], token_ids: Sequence[int], cache_salt: int = 0) -> Replica | None:
         """The best of `candidates` (each ready, and able to take the request) for these tokens."""
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
@@ -72,7 +75,7 @@ class Router:
         if self.enable_prefix_caching:
             block_size = candidates[0].accounting.block_manager.block_size
             # As in BlockManager.prefix_hit: the last prompt token is always computed.
-            extend_chain(hashes, token_ids, block_size, (len(token_ids) - 1) // block_size)
+            extend_chain(hashes, token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt)
         return max(candidates, key=lambda r: self._room(r, hashes))
 
     @staticmethod

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from common.config import SchedulerConfig
 from common.plan import StepPlan, StepResult
+from scheduler_svc.adapter_slots import AdapterSlots
 from scheduler_svc.beam_search import BeamSearch
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.plan_builder import PlanBuilder
@@ -88,6 +89,7 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         block_bytes: int = 0,
         seq_ids: Iterator[int] | None = None,
+        num_lora_slots: int = 0,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -107,8 +109,10 @@ class Scheduler:
         self._last_preempt_step = -1
         # Groups admitted from waiting by the last schedule() (the engine times their queueing).
         self.admitted: list[SequenceGroup] = []
+        # The worker group's LoRA slots (none: adapters off): a running group holds its adapter's.
+        self.adapter_slots = AdapterSlots(num_lora_slots)
         self._planner = StepPlanner(self)
-        self._builder = PlanBuilder(block_manager)
+        self._builder = PlanBuilder(block_manager, self.adapter_slots)
         # Sequence slots held by running groups (a group holds its widest count: best_of or beam width).
         self.running_slots = 0
         # Counters for metrics.
@@ -125,6 +129,11 @@ class Scheduler:
     def next_step_id(self) -> int:
         """Id of the step being planned."""
         return self._next_step_id
+
+    @property
+    def num_adapter_loads(self) -> int:
+        """LoRA adapters put into a slot so far (each is read onto the device once more)."""
+        return self.adapter_slots.num_loads
 
     def new_seq_id(self) -> int:
         return next(self._ids)
@@ -148,6 +157,10 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         if group.group_id in self._groups:
             raise ValueError(f"group {group.group_id} is already scheduled")
+        if group.adapter is not None and not self.adapter_slots.num_slots:
+            raise ValueError(
+                f"group {group.group_id} needs adapter {group.adapter.name!r}; this group has no LoRA slots"
+            )
         if group.is_beam and group.beam is None:
             group.beam = BeamSearch(group.sampling.beam_width, group.sampling.length_penalty)
         group.status = SequenceStatus.WAITING
@@ -214,6 +227,7 @@ class Scheduler:
         self.swapped.clear()
         self._groups.clear()
         self.running_slots = 0
+        self.adapter_slots.reset()
         for record in self._in_flight:
             for seq in record.seqs:
                 seq.pending = 0  # lost with the worker; computed again elsewhere
@@ -250,6 +264,8 @@ class Scheduler:
     def _end_group(self, group: SequenceGroup) -> None:
         if group.status is SequenceStatus.RUNNING:
             self.running_slots -= group.width
+            if group.adapter is not None:
+                self.adapter_slots.release(group.adapter)
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
@@ -338,6 +354,8 @@ class Scheduler:
         mode = self.policy.choose(num_blocks, computed, bm.cpu.num_free)
         self.running.remove(group)
         self.running_slots -= group.width
+        if group.adapter is not None:
+            self.adapter_slots.release(group.adapter)
         if mode is PreemptionMode.SWAP:
             group.swapped_blocks += bm.swap_out(ids)
             group.num_swaps += 1
@@ -378,13 +396,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
         self.enqueue(self.running, group)
         self.running_slots += group.width
+        if group.adapter is not None:
+            self.adapter_slots.acquire(group.adapter)
 
     def _attach_prefixes(self, group: SequenceGroup) -> None:
         """Start the group's first sequence from its prefix-cache hit (the others follow it)."""
         bm = self.block_manager
         for seq in group.live()[:1]:
             # Prompt log-probabilities need every prompt position computed: no prefix reuse.
-            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
+            hit = (
+                []
+                if seq.sampling.prompt_logprobs is not None
+                else bm.prefix_hit(seq.seq_id, seq.token_ids, group.cache_salt)
+            )
             bm.attach(seq.seq_id, hit)
             seq.num_computed_tokens = len(hit) * bm.block_size
             group.prefix_hit_tokens += seq.num_computed_tokens
@@ -433,7 +457,7 @@ class Scheduler:
             if not record.advanced:  # else counted when the next plan was planned ahead
                 seq.num_computed_tokens = e
             if e // bs != c // bs:  # a block filled up: index it
-                bm.commit(seq.seq_id, seq.token_ids, e)
+                bm.commit(seq.seq_id, seq.token_ids, e, seq.group.cache_salt if seq.group is not None else 0)
             if not sample[i]:
                 continue
             if i in pending_rows:
@@ -554,5 +578,11 @@ class Scheduler:
                         )
         if self.running_slots != sum(g.width for g in self.running):
             raise AssertionError(f"running slots counter says {self.running_slots}")
+        held: dict[tuple[str, int], int] = {}
+        for group in self.running:
+            if group.adapter is not None:
+                key = (group.adapter.name, group.adapter.version)
+                held[key] = held.get(key, 0) + 1
+        self.adapter_slots.check_integrity(held)
         if len(self._seqs) != sum(len(g.live()) for g in queued):
             raise AssertionError("sequence index holds finished or unknown sequences")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.sequence import SamplingParams, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from scheduler_svc.adapters import Adapter
     from scheduler_svc.beam_search import BeamSearch
 
 
@@ -33,6 +34,8 @@ class SequenceGroup:
     status: SequenceStatus = SequenceStatus.WAITING
     forked: bool = False  # samples: whether the fork at the last prompt token happened
     beam: BeamSearch | None = field(default=None, repr=False)
+    # The LoRA adapter every sequence of the group runs through (None: the base model).
+    adapter: Adapter | None = None
     # Accounting reported with the final response.
     num_preemptions: int = 0
     num_swaps: int = 0
@@ -63,6 +66,11 @@ class SequenceGroup:
     def key(self) -> tuple[int, int]:
         """Place in line: priority first, then arrival. Preemption never changes it."""
         return (self.priority, self.arrival)
+
+    @property
+    def cache_salt(self) -> int:
+        """Where the group's prefix-cache hash chains start: 0 for the base model."""
+        return self.adapter.cache_salt if self.adapter is not None else 0
 
     def shared_prompt_blocks(self, block_size: int) -> int:
         """Full blocks of the prompt that every sequence of the group holds in common.

@@ -110,3 +110,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if load is None:
             raise Unavailable("no ready worker: the service is warming up or its worker is down")
         return wire.load(load)
+
+    async def LoadAdapter(  # noqa: N802
+        self, request: gen_pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.AdapterInfo:
+        bind_trace(trace_headers(context))
+        return wire.adapter_info(self._engine.load_adapter(request.name, request.path))
+
+    async def UnloadAdapter(  # noqa: N802
+        self, request: gen_pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.UnloadAdapterResponse:
+        bind_trace(trace_headers(context))
+        self._engine.unload_adapter(request.name)
+        return gen_pb.UnloadAdapterResponse()
+
+    async def ListAdapters(  # noqa: N802
+        self, request: gen_pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb.ListAdaptersResponse:
+        return wire.adapter_list(self._engine.adapters.list())

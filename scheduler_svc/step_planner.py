@@ -7,9 +7,12 @@ Each step, under a token budget:
      recompute, see `preemption.py`) until the current group fits, or it is the victim itself.
   2. Unless step 1 preempted something, the heads of swapped and waiting are resumed or
      admitted in line order (so a swapped group comes back before any later arrival), as long
-     as the budget, `max_num_seqs` and the free blocks above a watermark allow. New prompts
-     start from their longest prefix-cache hit. Admission stops at the first group that does
-     not fit: nobody is overtaken, so nobody starves.
+     as the budget, `max_num_seqs`, the free blocks above a watermark and the LoRA slots allow
+     (a group whose adapter has no slot waits until a slot's running groups all stop). New
+     prompts start from their longest prefix-cache hit (of their adapter's chain). Admission
+     stops at the first group that does not fit: nobody is overtaken, so nobody starves, and
+     no more than the worker's slot count of adapters ever share a step. Priority preemption
+     (3.) weighs blocks only: it never evicts for a slot.
   3. Before either, a waiting or swapped group of strictly higher priority than the last
      running one, that does not fit, preempts running groups of lower priority until it fits.
      This runs first so that no group is preempted after its rows were planned: every
@@ -170,7 +173,11 @@ class StepPlanner:
             need += sum(bm.blocks_for(s.num_tokens) - shared for s in live[1:])
             live = live[:1]
         for seq in live:
-            hit = [] if seq.sampling.prompt_logprobs is not None else bm.prefix_hit(seq.seq_id, seq.token_ids)
+            hit = (
+                []
+                if seq.sampling.prompt_logprobs is not None
+                else bm.prefix_hit(seq.seq_id, seq.token_ids, group.cache_salt)
+            )
             start = len(hit) * bm.block_size
             left = seq.num_tokens - start
             q = min(left, budget)
@@ -185,6 +192,8 @@ class StepPlanner:
     def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
         if self.s.running_slots + group.width > self.s.config.max_num_seqs:
             return False
+        if group.adapter is not None and not self.s.adapter_slots.can_acquire(group.adapter):
+            return False  # every LoRA slot runs another adapter: wait for one to go idle
         reserve += self.watermark_blocks if self.s.running else 0
         return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
 

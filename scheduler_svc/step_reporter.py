@@ -30,6 +30,7 @@ class StepReporter:
 
     def emit(self, scheduler: Scheduler, events: list[TokenEvent]) -> None:
         touched: dict[str, RequestStream] = {}
+        by_adapter: dict[str, int] = {}
         now = time.monotonic()
         for event in events:
             group = event.seq.group
@@ -44,10 +45,15 @@ class StepReporter:
                 elif stream.last_token_time is not None and stream.last_token_time < now:
                     self.metrics.itl.observe(now - stream.last_token_time)
                 stream.last_token_time = now
+                if stream.group.adapter is not None:
+                    name = stream.group.adapter.name
+                    by_adapter[name] = by_adapter.get(name, 0) + 1
             elif event.finish_reason is FinishReason.ABORTED and group is not None and not group.is_beam:
                 # A structured output the worker sampled past (Scheduler._apply).
                 stream.fail(Aborted("the structured output's grammar allows no token the model can sample here"))
             touched[stream.request_id] = stream
+        for name, tokens in by_adapter.items():
+            self.metrics.adapter_tokens(name).inc(tokens)
         # Only after every event of the step: a stop string on one sample can end the group
         # while a sibling's last token of the same step is still to be sent.
         for stream in touched.values():
@@ -126,9 +132,17 @@ class StepReporter:
         sched = replica.scheduler
         if sched is not None:
             # The scheduler keeps plain counters (it is pure); publish what moved since last step.
-            now = (sched.num_preemptions, sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_planned_ahead)
+            now = (
+                sched.num_preemptions,
+                sched.prefix_queried_tokens,
+                sched.prefix_hit_tokens,
+                sched.num_planned_ahead,
+                sched.num_adapter_loads,
+            )
             for counter, new, old in zip(
-                (m.preemptions, m.prefix_queries, m.prefix_hits, m.planned_ahead), now, replica.reported
+                (m.preemptions, m.prefix_queries, m.prefix_hits, m.planned_ahead, m.adapter_loads),
+                now,
+                replica.reported,
             ):
                 if new > old:
                     counter.inc(new - old)

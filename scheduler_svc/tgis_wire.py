@@ -9,6 +9,7 @@ not applicable here either.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class TgisParams:
     token_logprobs: bool = False  # with returned tokens: each one's log-probability
     top_n_tokens: int = 0  # with returned tokens: the most likely alternatives at each
     structured_output: StructuredOutput | None = None  # decoding's guided constraint
+    adapter_id: str = ""  # a LoRA adapter's name; empty = the base model
 
     @property
     def _alternatives(self) -> int | None:
@@ -89,6 +91,7 @@ class TgisParams:
             logprobs=self._alternatives if self.generated_tokens else None,
             prompt_logprobs=self._alternatives if self.input_tokens else None,
             structured_output=self.structured_output,
+            adapter_id=self.adapter_id,
         )
 
 
@@ -103,24 +106,19 @@ class TimeLimit:
 
 
 def batched_request(msg: pb.BatchedGenerationRequest) -> tuple[list[str], TgisParams]:
-    _check_adapter(
-        msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else ""
-    )
-    return [r.text for r in msg.requests], params(msg.params)
+    return [r.text for r in msg.requests], _with_adapter(msg, params(msg.params))
 
 
 def single_request(msg: pb.SingleGenerationRequest) -> tuple[str, TgisParams]:
-    _check_adapter(
-        msg.prefix_id if msg.HasField("prefix_id") else "", msg.adapter_id if msg.HasField("adapter_id") else ""
-    )
-    return msg.request.text, params(msg.params)
+    return msg.request.text, _with_adapter(msg, params(msg.params))
 
 
-def _check_adapter(prefix_id: str, adapter_id: str) -> None:
-    if prefix_id:
-        raise Unimplemented("prefix_id: prompt-tuning prefixes are not supported")
-    if adapter_id:
-        raise Unimplemented("adapter_id: adapters (LoRA, prompt tuning) are not supported")
+def _with_adapter(msg: pb.BatchedGenerationRequest | pb.SingleGenerationRequest, p: TgisParams) -> TgisParams:
+    """adapter_id names one of our LoRA adapters (NOT_FOUND when unknown, as in TGIS); a
+    prompt-tuning prefix (prefix_id) has nothing to run on."""
+    if msg.HasField("prefix_id") and msg.prefix_id:
+        raise Unimplemented("prefix_id: prompt-tuning prefixes are not supported; LoRA adapters go in adapter_id")
+    return dataclasses.replace(p, adapter_id=msg.adapter_id) if msg.HasField("adapter_id") else p
 
 
 def params(msg: pb.Parameters) -> TgisParams:

@@ -14,6 +14,7 @@ from common.pb.llmserve.v1 import registry_pb2 as reg_pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
+from scheduler_svc.adapters import Adapter
 from scheduler_svc.load import Load, ModelInfo
 from scheduler_svc.registry import Registration
 from scheduler_svc.request import GenerationRequest, RequestOutput, TokenLogprob
@@ -58,6 +59,7 @@ def generation_request(msg: gen_pb.GenerateRequest) -> GenerationRequest:
         min_tokens=msg.stopping.min_tokens,
         include_stop_str_in_output=msg.stopping.include_stop_str_in_output,
         structured_output=_structured_output(msg),
+        adapter_id=msg.adapter_id,
     )
 
 
@@ -229,7 +231,22 @@ def model_info(info: ModelInfo) -> gen_pb.ModelInfo:
             max_n=limits.max_n,
             max_queue_len=info.max_queue_len,
         ),
+        adapters=[adapter_info(a) for a in info.adapters],
     )
+
+
+def adapter_info(adapter: Adapter) -> gen_pb.AdapterInfo:
+    return gen_pb.AdapterInfo(
+        name=adapter.name,
+        path=adapter.path,
+        rank=adapter.rank,
+        scale=adapter.scale,
+        target_modules=list(adapter.target_modules),
+    )
+
+
+def adapter_list(adapters: list[Adapter]) -> gen_pb.ListAdaptersResponse:
+    return gen_pb.ListAdaptersResponse(adapters=[adapter_info(a) for a in adapters])
 
 
 def load(value: Load) -> gen_pb.Load:

@@ -24,6 +24,22 @@ def test_gpu_memory_utilization_reaches_the_config_and_the_worker_command() -> N
     assert cli._worker_config(worker, "/models/m").cache.gpu_memory_utilization == 0.55  # noqa: SLF001
 
 
+def test_lora_flags_reach_both_configs_and_the_worker_command() -> None:
+    a = _args("--lora-modules", "sql=/adapters/sql", "chat=/a/chat", "--max-loras", "3", "--max-lora-rank", "16")
+    sched = cli._scheduler_config(a)  # type: ignore[arg-type]  # noqa: SLF001
+    assert sched.enable_lora and sched.max_lora_rank == 16  # --lora-modules implies --enable-lora
+    assert sched.lora_modules == (("sql", "/adapters/sql"), ("chat", "/a/chat"))
+    cmd = cli._worker_args(a, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+    worker = cli._parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])  # noqa: SLF001
+    lora = cli._worker_config(worker, "/models/m").lora  # noqa: SLF001
+    assert lora is not None and (lora.max_loras, lora.max_lora_rank, lora.host_copies) == (3, 16, 3)
+    plain = _args()
+    assert cli._worker_config(plain, "/models/m").lora is None  # type: ignore[arg-type]  # noqa: SLF001
+    assert "--enable-lora" not in cli._worker_args(plain, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        cli._scheduler_config(_args("--lora-modules", "no-equals-sign"))  # type: ignore[arg-type]  # noqa: SLF001
+
+
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
 def test_gpu_memory_utilization_outside_its_range_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -322,12 +322,17 @@ async def test_trace_headers_are_echoed(tiny_scheduler: Scheduler) -> None:
     assert dict(await unary.initial_metadata()) == dict(metadata)
 
 
-async def test_adapters_are_unimplemented_and_bad_input_is_invalid(tiny_scheduler: Scheduler) -> None:
+async def test_unknown_adapters_prefixes_and_bad_input_are_refused(tiny_scheduler: Scheduler) -> None:
     req = single("hi", params(4))
     req.adapter_id = "my-lora"
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stream(tiny_scheduler, req)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details().startswith("adapter_id:")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "my-lora" in err.value.details()
+    req = single("hi", params(4))
+    req.prefix_id = "my-prompt-tuning"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream(tiny_scheduler, req)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details().startswith("prefix_id:")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub(tiny_scheduler).Generate(batched(["fine", ""], params(4)))  # one empty prompt fails the batch
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -38,6 +38,7 @@ from worker_svc.loader import (
 )
 from worker_svc.logits_processor import process_logits, processed_rows
 from worker_svc.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
+from worker_svc.lora_slots import LoraSlots
 from worker_svc.parallel import SINGLE, ParallelGroup, bind_device
 from worker_svc.probe_plans import decode_step, heaviest_step, widest_decode_step, with_open_masks
 from worker_svc.sampler import sample
@@ -93,6 +94,18 @@ class ModelRunner:
             config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group
         )
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
+        # Adapter slots before the KV cache is sized: on CUDA the profile then counts them.
+        self.lora = (
+            LoraSlots(
+                self.model,
+                config.lora,
+                self.dtype,
+                self.device,
+                use_kernels=self.attention_backend == "triton",  # the interpreter runs them on a CPU (tests)
+            )
+            if config.lora is not None
+            else None
+        )
         self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
         # What the last step sampled, by sequence: the next plan's deferred inputs. The only
         # thing a worker carries from one step to the next.
@@ -204,6 +217,8 @@ class ModelRunner:
             num_gpu_blocks=self.kv.num_blocks,
             num_cpu_blocks=self.kv.num_cpu_blocks,
             block_bytes=kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype),
+            max_loras=self.lora.max_loras if self.lora is not None else 0,
+            max_lora_rank=self.config.lora.max_lora_rank if self.config.lora is not None else 0,
         )
 
     # ---- capacity ----
@@ -317,6 +332,17 @@ class ModelRunner:
         asked = plan.sampling.num_logprobs
         if asked.size and (int(asked.min()) < 0 or int(asked.max()) > self.shape.vocab_size):
             raise PlanError(f"num_logprobs outside [0, {self.shape.vocab_size}]")
+        self._check_lora(plan)
+
+    def _check_lora(self, plan: StepPlan) -> None:
+        if self.lora is None:
+            if plan.adapter_loads or (plan.lora_slots.size and int(plan.lora_slots.max()) >= 0):
+                raise PlanError("a plan with LoRA adapters, and this worker has no adapter slots (--enable-lora)")
+            return
+        try:
+            self.lora.check(plan.lora_slots, plan.adapter_loads)
+        except ValueError as error:
+            raise PlanError(str(error)) from error
 
     def _check_block_ops(self, plan: StepPlan) -> None:
         """Every (src, dst) id inside its pool, and no block written twice (the result would
@@ -343,6 +369,7 @@ class ModelRunner:
         positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)
         slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         input_ids = plan.input_ids.astype(np.int64)
+        adapters = np.repeat(plan.lora_slots, q) if plan.lora_slots.size else None  # a slot per token
         if self._gemm_buckets is not None:
             rows = self._gemm_buckets.pad(plan.num_tokens)
             input_ids, positions, slots = (
@@ -350,6 +377,10 @@ class ModelRunner:
                 pad_rows(positions, rows, 0),
                 pad_rows(slots, rows, -1),
             )
+            if adapters is not None:
+                adapters = pad_rows(adapters, rows, -1)
+        if self.lora is not None:
+            self.lora.begin_step(adapters)
         meta = self.model.attention.build_metadata(q, c, plan.block_tables, slots, bs, self.device)
         return to_device(input_ids, self.device), to_device(positions, self.device), meta, starts
 
@@ -398,9 +429,16 @@ class ModelRunner:
             self.kv.swap_out(plan.swap_out)
             self.kv.swap_in(plan.swap_in)
             self.kv.copy(plan.copy)
+            if self.lora is not None:
+                try:
+                    self.lora.apply(plan.adapter_loads)
+                except ValueError as error:
+                    raise PlanError(str(error)) from error
             sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
             graphs = self._graphs
-            bucket = fits(plan, graphs.buckets, graphs.width) if graphs is not None else None
+            # A step with adapted rows runs eagerly: the graphs were captured without LoRA.
+            adapted = bool(plan.lora_slots.size) and int(plan.lora_slots.max()) >= 0
+            bucket = fits(plan, graphs.buckets, graphs.width) if graphs is not None and not adapted else None
             if bucket is not None:  # a decode step a captured graph replays
                 staged = stage(plan, bucket, graphs.width, self.block_size)  # type: ignore[union-attr]
                 starts = np.arange(plan.num_seqs + 1)

@@ -34,7 +34,7 @@ embedding's, which a tied LM head shares).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,12 @@ from torch import nn
 
 from worker_svc.layers import Loaded, RowWindow, copy_checked, load_replicated, loaded_shape
 from worker_svc.parallel import ParallelGroup
+
+
+class LoraUpdate(Protocol):
+    """A LoRA update added to a linear's output in place (worker_svc/lora_slots.py)."""
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 class Shard(NamedTuple):
@@ -115,6 +121,8 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.shards = shards
+        self.in_features = in_features
+        self.lora: LoraUpdate | None = None  # set when the worker serves LoRA adapters
         out_local = sum(s.size for s in shards.values())
         self.weight = _param(out_local, in_features, dtype=dtype)  # [out / tp, in]
         self.bias = _param(out_local, dtype=dtype) if bias else None
@@ -171,7 +179,10 @@ class ColumnParallelLinear(nn.Module):
         _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.packed, self.bias)
+        y = _linear(x, self.weight, self.packed, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -234,6 +245,8 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group = group
+        self.out_features = out_features
+        self.lora: LoraUpdate | None = None  # set when the worker serves LoRA adapters
         self.shard = _even(in_features, group, "input features")
         self.weight = _param(out_features, self.shard.size, dtype=dtype)  # [out, in / tp]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -256,9 +269,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return _linear(x, self.weight, self.packed, self.bias)
+            y = _linear(x, self.weight, self.packed, self.bias)
+            if self.lora is not None:
+                self.lora.add(x, y)
+            return y
+        partial = _linear(x, self.weight, self.packed)
+        if self.lora is not None:  # this rank's share of the update: linear in x, so the reduce sums it
+            self.lora.add(x, partial)
         # The bias joins after the reduce: added on every rank before it, it would count tp times.
-        y = self.group.all_reduce(_linear(x, self.weight, self.packed))
+        y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

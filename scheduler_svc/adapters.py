@@ -1,0 +1,196 @@
+"""The LoRA adapters requests may name, checked against the model before any worker sees them.
+
+An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensors, whose tensors
+are named `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`, A of
+shape [r, in] and B of [out, r]. Only the header of the safetensors file is read here (its JSON
+names every tensor's shape), so the scheduler still imports no torch. Everything a worker would
+trip over is refused here with INVALID_ARGUMENT: a worker that fails a step loses its group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import AlreadyExists, InvalidArgument, NotFound
+
+# What a slot can adapt: the projections of the attention and of the dense MLP.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+MODULES = ATTENTION_MODULES + MLP_MODULES
+MAX_NAME_LENGTH = 128
+_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_HEADER_LIMIT = 100 << 20  # a safetensors header is JSON; a bigger one is not a LoRA adapter
+_versions = itertools.count(1)  # one per registration in this process (workers key host copies by it)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    version: int
+    rank: int
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    target_modules: tuple[str, ...]
+
+    @property
+    def cache_salt(self) -> int:
+        """Starts the prefix-cache hash chain of this adapter's sequences: its KV differs from
+        the base model's (and any other adapter's) for the same tokens."""
+        return hash(("lora", self.name, self.version)) | 1  # never 0, the base model's
+
+
+class AdapterRegistry:
+    def __init__(self, model_dir: str, max_lora_rank: int, enabled: bool) -> None:
+        self.model_dir = model_dir
+        self.max_lora_rank = max_lora_rank
+        self.enabled = enabled
+        self._adapters: dict[str, Adapter] = {}
+        self._shapes: dict[str, tuple[int, int]] | None = None  # module -> (in, out), read on first load
+
+    def get(self, name: str) -> Adapter:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise NotFound(f"adapter_id: adapter {name!r} is not loaded (ListAdapters names those that are)")
+        return adapter
+
+    def list(self) -> list[Adapter]:
+        return list(self._adapters.values())
+
+    def unload(self, name: str) -> Adapter:
+        adapter = self.get(name)
+        del self._adapters[name]
+        return adapter
+
+    def load(self, name: str, path: str) -> Adapter:
+        if not self.enabled:
+            raise InvalidArgument("name", "LoRA adapters are off: start the server with --enable-lora")
+        if not 1 <= len(name) <= MAX_NAME_LENGTH or not all(" " < c <= "~" for c in name):
+            raise InvalidArgument(
+                "name", f"1-{MAX_NAME_LENGTH} printable ASCII characters without spaces, got {name!r}"
+            )
+        if name in self._adapters:
+            raise AlreadyExists(f"name: adapter {name!r} is already loaded; unload it first")
+        rank, scale = self._check_config(Path(path))
+        targets = self._check_tensors(Path(path), rank)
+        adapter = Adapter(name, path, next(_versions), rank, scale, targets)
+        self._adapters[name] = adapter
+        return adapter
+
+    def _check_config(self, path: Path) -> tuple[int, float]:
+        file = path / "adapter_config.json"
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError) as error:
+            raise InvalidArgument("path", f"{file} is not a readable PEFT adapter config: {error}") from error
+        if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+            raise InvalidArgument("path", f"{file}: only LoRA adapters are served (peft_type LORA)")
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank < 1:
+            raise InvalidArgument("path", f"{file}: r must be a positive integer, got {rank!r}")
+        if rank > self.max_lora_rank:
+            raise InvalidArgument("path", f"rank {rank} exceeds --max-lora-rank {self.max_lora_rank}")
+        unsupported = {
+            "use_dora": "DoRA",
+            "modules_to_save": "modules_to_save (fully trained copies of modules)",
+            "rank_pattern": "per-module ranks (rank_pattern)",
+            "alpha_pattern": "per-module alphas (alpha_pattern)",
+            "fan_in_fan_out": "fan_in_fan_out weights",
+            "trainable_token_indices": "trainable token embeddings",
+        }
+        for key, what in unsupported.items():
+            if config.get(key):
+                raise InvalidArgument("path", f"{file}: {what} is not supported")
+        if config.get("bias", "none") != "none":
+            raise InvalidArgument("path", f"{file}: trained biases (bias {config['bias']!r}) are not supported")
+        alpha = config.get("lora_alpha", rank)
+        if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise InvalidArgument("path", f"{file}: lora_alpha must be a number, got {alpha!r}")
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        return rank, float(scale)
+
+    def _check_tensors(self, path: Path, rank: int) -> tuple[str, ...]:
+        file = path / "adapter_model.safetensors"
+        header = _safetensors_header(file)
+        shapes = self._model_shapes()
+        text = _text_config(self.model_dir)
+        layers = int(text["num_hidden_layers"])
+        # A mixture-of-experts model's MLPs are experts, which no slot adapts.
+        moe = bool(text.get("num_experts") or text.get("num_local_experts"))
+        targets: set[str] = set()
+        parts: dict[tuple[int, str], set[str]] = {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            match = _TENSOR.match(key)
+            module = match.group(3) if match else ""
+            if match is None or module not in MODULES:
+                raise InvalidArgument("path", f"{file}: tensor {key} adapts a module we cannot ({', '.join(MODULES)})")
+            if moe and module in MLP_MODULES:
+                raise InvalidArgument("path", f"{file}: tensor {key} adapts an MLP of a mixture-of-experts model")
+            layer, part = int(match.group(1)), match.group(4)
+            if layer >= layers:
+                raise InvalidArgument("path", f"{file}: tensor {key} names layer {layer}; the model has {layers}")
+            if entry.get("dtype") not in ("F32", "F16", "BF16"):
+                raise InvalidArgument("path", f"{file}: tensor {key} has dtype {entry.get('dtype')}")
+            features_in, features_out = shapes[module]
+            want = [rank, features_in] if part == "A" else [features_out, rank]
+            if entry.get("shape") != want:
+                raise InvalidArgument(
+                    "path", f"{file}: tensor {key} has shape {entry.get('shape')}, this model and r={rank} want {want}"
+                )
+            targets.add(module)
+            parts.setdefault((layer, module), set()).add(part)
+        lone = sorted(f"layer {i} {m}" for (i, m), p in parts.items() if p != {"A", "B"})
+        if lone:
+            raise InvalidArgument("path", f"{file}: lora_A without lora_B or the reverse at {', '.join(lone[:4])}")
+        if not targets:
+            raise InvalidArgument("path", f"{file} holds no LoRA tensors")
+        return tuple(sorted(targets))
+
+    def _model_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each adaptable module of the whole (unsharded) model."""
+        if self._shapes is None:
+            text = _text_config(self.model_dir)
+            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            kv_heads = int(text.get("num_key_value_heads") or heads)
+            head_dim = int(text.get("head_dim") or hidden // heads)
+            inter = int(text["intermediate_size"])
+            q, kv = heads * head_dim, kv_heads * head_dim
+            self._shapes = {
+                "q_proj": (hidden, q),
+                "k_proj": (hidden, kv),
+                "v_proj": (hidden, kv),
+                "o_proj": (q, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            }
+        return self._shapes
+
+
+def _text_config(model_dir: str) -> dict[str, Any]:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: 8 bytes of little-endian length, then the JSON."""
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _HEADER_LIMIT:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as error:
+        raise InvalidArgument("path", f"{file} is not a readable safetensors file: {error}") from error
+    if not isinstance(header, dict):
+        raise InvalidArgument("path", f"{file} is not a safetensors file")
+    return header
