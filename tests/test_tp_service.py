@@ -22,7 +22,9 @@ from tests.test_smollm2_e2e import children_of
 PROMPTS = [[200 + 13 * i + k for k in range(5 + 7 * i)] for i in range(4)]
 
 
-def start_group(model_dir: Path, tp: int, dist_timeout: float = 5.0) -> tuple[subprocess.Popen[bytes], list[str]]:
+def start_group(
+    model_dir: Path, tp: int, dist_timeout: float = 5.0, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], list[str]]:
     port = free_port()
     while any(_busy(port + r) for r in range(1, tp)):
         port = free_port()
@@ -47,6 +49,7 @@ def start_group(model_dir: Path, tp: int, dist_timeout: float = 5.0) -> tuple[su
         str(tp),
         "--dist-timeout",
         str(dist_timeout),
+        *extra,
     ]
     return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(tp)]
 
