@@ -27,6 +27,35 @@ from common.plan import AdapterLoad
 _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+# adapter_config.json fields that change what the adapter computes, beyond B @ A x * scale on
+# the attention and dense MLP projections: refused rather than served wrong.
+_UNSUPPORTED = (
+    "use_dora",  # DoRA: a learned magnitude per output
+    "modules_to_save",  # whole trained copies of modules
+    "rank_pattern",  # per-module ranks
+    "alpha_pattern",  # per-module scales
+    "lora_bias",  # a bias on B
+    "fan_in_fan_out",  # transposed (Conv1D) weights
+    "trainable_token_indices",  # trained embedding rows
+    "target_parameters",  # LoRA on raw parameters (MoE experts)
+    "layer_replication",  # a model with layers repeated
+    "alora_invocation_tokens",  # activated LoRA: on only after given tokens
+    "use_qalora",  # pooled inputs
+)
+
+
+def _what(key: str) -> str:
+    """Why a tensor of the file is not one a slot holds."""
+    if ".experts." in key:
+        return "adapts an expert of a mixture-of-experts layer, which no slot holds"
+    for module in ("embed_tokens", "lm_head"):
+        if f".{module}." in key:
+            return f"adapts {module}, which no slot holds (only q/k/v/o_proj and gate/up/down_proj)"
+    if "lora_magnitude_vector" in key:
+        return "is a DoRA magnitude (DoRA is not supported)"
+    return "is not a LoRA weight of a decoder layer's projection"
+
+
 @dataclass(frozen=True)
 class HostAdapter:
     name: str
@@ -47,10 +76,12 @@ def read_adapter(path: str, name: str, max_rank: int) -> HostAdapter:
         config = json.loads((directory / "adapter_config.json").read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"adapter {name!r}: no readable adapter_config.json in {path}: {error}") from error
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name!r}: only LoRA adapters are served (peft_type LORA)")
     rank = int(config.get("r", 0))
     if not 1 <= rank <= max_rank:
         raise ValueError(f"adapter {name!r}: rank {rank} outside [1, {max_rank}] (--max-lora-rank)")
-    for key in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern"):
+    for key in _UNSUPPORTED:
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {key} is not supported")
     if config.get("bias", "none") != "none":
@@ -63,7 +94,7 @@ def read_adapter(path: str, name: str, max_rank: int) -> HostAdapter:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 match = _TENSOR.match(key)
                 if match is None:
-                    raise ValueError(f"adapter {name!r}: tensor {key} is not a LoRA weight of a decoder layer")
+                    raise ValueError(f"adapter {name!r}: tensor {key} {_what(key)}")
                 layer, module, part = int(match.group(1)), match.group(2), match.group(3)
                 parts.setdefault((layer, module), {})[part] = f.get_tensor(key)
     except OSError as error:

@@ -6,6 +6,10 @@ up parts, down_proj) gets zeroed slot tensors for `max_loras` adapters of rank u
 Which adapter goes where is the scheduler's: a slot keeps its adapter, like the model keeps its
 weights, until a later load replaces it.
 
+A plan's loads are read and checked (`prepare`: host copies, modules, shapes, slots) before the
+runner touches its cache, so a bad adapter refuses the plan with nothing changed; the device
+copies follow the block operations (`apply`).
+
 Per step the runner sets the tokens' slots (`begin_step`); each adapted linear then adds
 
     out[t, part] += scale[s] * B[s] @ (A[s] @ x[t])     for s = slot of token t, s >= 0
@@ -47,7 +51,8 @@ TARGETS = {
 
 @dataclass
 class StepSlots:
-    """What the adapted linears of one step read (set by LoraSlots.begin_step)."""
+    """What the adapted linears of one step read. One object per model, updated in place by
+    LoraSlots.begin_step: every linear holds it, and tests `active` without a call."""
 
     active: frozenset[int] = frozenset()  # slots some token of the step uses
     token_slots: torch.Tensor | None = None  # int32 [tokens], -1 = base
@@ -80,15 +85,19 @@ class LoraPart:
         self.a = torch.zeros(slots, rank, self.a_shape[1], dtype=dtype)  # on the ambient device
         self.b = torch.zeros(slots, self.b_shape[0], rank, dtype=dtype)
 
-    def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
-        """A [r, in_full], B [out_full, r] of the whole model; this rank's part goes in."""
+    def check(self, a: torch.Tensor, b: torch.Tensor, name: str, layer: int) -> None:
+        """A [r, in_full], B [out_full, r] of the whole model, r within the slots' rank."""
         split, rank = self.split, a.shape[0]
         full_in, full_out = (self.a.shape[2], split.total) if self.column else (split.total, self.b.shape[1])
-        if a.shape != (rank, full_in) or b.shape != (full_out, rank):
+        if a.shape != (rank, full_in) or b.shape != (full_out, rank) or rank > self.a.shape[1]:
             raise ValueError(
-                f"adapter {name!r}: {self.module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                f"this model wants [r, {full_in}] and [{full_out}, r]"
+                f"adapter {name!r}: layer {layer} {self.module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                f"this model wants [r, {full_in}] and [{full_out}, r], r <= {self.a.shape[1]}"
             )
+
+    def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """This rank's part of A and B (checked by `check`) into the zeroed slot."""
+        split, rank = self.split, a.shape[0]
         if self.column:
             b = b[split.start : split.start + split.size]
         else:
@@ -102,13 +111,11 @@ class LoraLayer:
 
     def __init__(self, owner: LoraSlots) -> None:
         self.owner = owner
+        self.step = owner.step  # the linear calls `add` only while step.active
         self.parts: list[LoraPart] = []
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        step = self.owner.step
-        if not step.active:
-            return
-        slots = self.owner
+        step, slots = self.step, self.owner
         for part in self.parts:
             used = [s for s in step.active if part.module in slots.targets[s]]
             if not used:
@@ -184,34 +191,47 @@ class LoraSlots:
     def max_loras(self) -> int:
         return self.config.max_loras
 
-    def apply(self, loads: tuple[AdapterLoad, ...]) -> None:
-        """Fill slots before the forward pass; ValueError (the plan is refused) for a bad adapter."""
+    def prepare(self, loads: tuple[AdapterLoad, ...]) -> list[tuple[AdapterLoad, HostAdapter]]:
+        """The plan's adapters from their host copies (read from the files on a miss), each
+        checked against this model; ValueError naming the adapter, with no slot touched."""
+        prepared = []
         for load in loads:
             if not 0 <= load.slot < self.max_loras:
                 raise ValueError(f"adapter_loads: slot {load.slot} outside [0, {self.max_loras})")
             adapter = self.cache.get(load)
+            for (layer, module), (a, b) in adapter.weights.items():
+                found = self.layers.get((layer, module))
+                if found is None:
+                    raise ValueError(f"adapter {adapter.name!r}: layer {layer} has no {module} this worker can adapt")
+                found[1].check(a, b, adapter.name, layer)
+            prepared.append((load, adapter))
+        return prepared
+
+    def apply(self, prepared: list[tuple[AdapterLoad, HostAdapter]]) -> None:
+        """Fill the prepared slots (after the block operations, before the forward pass)."""
+        for load, adapter in prepared:
             self._fill(load.slot, adapter)
             self.loaded[load.slot] = (load.name, load.version)
 
     def _fill(self, slot: int, adapter: HostAdapter) -> None:
-        missing = sorted({k for k in adapter.weights if k not in self.layers})
-        if missing:
-            layer, module = missing[0]
-            raise ValueError(f"adapter {adapter.name!r}: layer {layer} has no {module} this worker can adapt")
         self.loaded[slot] = None  # half-filled until the end
+        # Zeroed first: a module the new adapter does not target must not keep the old one's.
         for _, part in self.layers.values():
             part.a[slot].zero_()
             part.b[slot].zero_()
         for key, (a, b) in adapter.weights.items():
             _, part = self.layers[key]
-            part.fill(slot, a.to(part.a.dtype), b.to(part.b.dtype), adapter.name)
+            part.fill(slot, a.to(part.a.dtype), b.to(part.b.dtype))
         self.targets[slot] = adapter.modules
         self.ranks[slot] = adapter.rank
         self.scale_values[slot] = adapter.scale
         self.scales[slot] = adapter.scale
 
     def check(self, lora_slots: np.ndarray, loads: tuple[AdapterLoad, ...]) -> None:
-        """Every slot a row names is loaded (by now, or by this plan)."""
+        """Every slot a load or a row names exists, and a row's is loaded (by now, or by this plan)."""
+        outside = [load.slot for load in loads if not 0 <= load.slot < self.max_loras]
+        if outside:
+            raise ValueError(f"adapter_loads: slot {outside[0]} outside [0, {self.max_loras})")
         if not lora_slots.size:
             return
         if int(lora_slots.max()) >= self.max_loras:
@@ -223,16 +243,19 @@ class LoraSlots:
 
     def begin_step(self, token_slots: np.ndarray | None) -> None:
         """The tokens' slots for the next forward pass (int32 [rows], -1 = base; None: no adapter)."""
+        step = self.step  # updated in place: every adapted linear holds this object
         if token_slots is None or not token_slots.size or int(token_slots.max()) < 0:
-            self.step = StepSlots()
+            step.active, step.token_slots, step.rows, step.segments = frozenset(), None, None, None
             return
         active = frozenset(int(s) for s in np.unique(token_slots) if s >= 0)
         slots = to_device(token_slots.astype(np.int32, copy=False), self.device)
         if self.use_kernels:
-            self.step = StepSlots(active, slots, segments=lora_segments(slots, self.max_loras))
-            return
-        rows = {s: to_device(np.flatnonzero(token_slots == s), self.device) for s in active}
-        self.step = StepSlots(active, slots, rows)
+            step.rows, step.segments = None, lora_segments(slots, self.max_loras)
+        else:
+            step.rows = {s: to_device(np.flatnonzero(token_slots == s), self.device) for s in active}
+            step.segments = None
+        step.token_slots = slots
+        step.active = active  # last: the linears read the rest only once it is set
 
 
 def _has(layer: torch.nn.Module, path: str) -> bool:

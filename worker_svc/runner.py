@@ -18,11 +18,12 @@ import structlog
 import torch
 
 from common.config import WorkerConfig
-from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan, StepResult
+from common.plan import DEFERRED_INPUT, AdapterLoad, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.limits import max_tokens_per_step
 from kernels.paged_attention import MERGE_PADS, decode_shapes
 from worker_svc import host_memory, kv_cache
+from worker_svc.adapter_cache import HostAdapter
 from worker_svc.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.host_allocator import keep_freed_memory
 from worker_svc.host_copy import to_device, to_host
@@ -344,6 +345,16 @@ class ModelRunner:
         except ValueError as error:
             raise PlanError(str(error)) from error
 
+    def _prepare_adapters(self, plan: StepPlan) -> list[tuple[AdapterLoad, HostAdapter]]:
+        """The plan's adapter loads read and checked against the model before anything of this
+        worker changes: a bad adapter refuses the plan with the cache and the slots untouched."""
+        if self.lora is None or not plan.adapter_loads:
+            return []
+        try:
+            return self.lora.prepare(plan.adapter_loads)
+        except ValueError as error:
+            raise PlanError(str(error)) from error
+
     def _check_block_ops(self, plan: StepPlan) -> None:
         """Every (src, dst) id inside its pool, and no block written twice (the result would
         depend on the order of the scatter)."""
@@ -391,6 +402,9 @@ class ModelRunner:
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits of every fed token (tests compare them with the reference)."""
         self.check(plan)
+        adapters = self._prepare_adapters(plan)
+        if adapters and self.lora is not None:
+            self.lora.apply(adapters)
         input_ids, positions, meta, _ = self._inputs(plan)
         return self.model.compute_logits(self.model(input_ids, positions, self.kv.layers, meta)[: plan.num_tokens])
 
@@ -424,16 +438,14 @@ class ModelRunner:
         with self._section("prepare"):
             plan = self._fill_deferred(plan)
             self.check(plan)
+            adapters = self._prepare_adapters(plan)
             # The plan's order (common.plan.StepPlan): copies come last because their source
             # may be a block swapped in this step.
             self.kv.swap_out(plan.swap_out)
             self.kv.swap_in(plan.swap_in)
             self.kv.copy(plan.copy)
-            if self.lora is not None:
-                try:
-                    self.lora.apply(plan.adapter_loads)
-                except ValueError as error:
-                    raise PlanError(str(error)) from error
+            if adapters and self.lora is not None:
+                self.lora.apply(adapters)
             sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
             graphs = self._graphs
             # A step with adapted rows runs eagerly: the graphs were captured without LoRA.

@@ -44,8 +44,17 @@ from worker_svc.layers import Loaded, RowWindow, copy_checked, load_replicated, 
 from worker_svc.parallel import ParallelGroup
 
 
+class LoraStep(Protocol):
+    @property
+    def active(self) -> frozenset[int]: ...  # the adapter slots some token of the step uses
+
+
 class LoraUpdate(Protocol):
-    """A LoRA update added to a linear's output in place (worker_svc/lora_slots.py)."""
+    """A LoRA update added to a linear's output in place (worker_svc/lora_slots.py). The linear
+    tests `step.active` first: a step without adapted rows makes no call at all."""
+
+    @property
+    def step(self) -> LoraStep: ...
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
@@ -180,7 +189,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(x, self.weight, self.packed, self.bias)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.step.active:
             self.lora.add(x, y)
         return y
 
@@ -270,11 +279,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
             y = _linear(x, self.weight, self.packed, self.bias)
-            if self.lora is not None:
+            if self.lora is not None and self.lora.step.active:
                 self.lora.add(x, y)
             return y
         partial = _linear(x, self.weight, self.packed)
-        if self.lora is not None:  # this rank's share of the update: linear in x, so the reduce sums it
+        # This rank's share of the update: linear in x, so the reduce sums it.
+        if self.lora is not None and self.lora.step.active:
             self.lora.add(x, partial)
         # The bias joins after the reduce: added on every rank before it, it would count tp times.
         y = self.group.all_reduce(partial)
