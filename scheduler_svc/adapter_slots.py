@@ -26,13 +26,27 @@ def _key(adapter: Adapter) -> Key:
 class AdapterSlots:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.refs = [0] * num_slots
-        self._held: list[Key | None] = [None] * num_slots  # what each slot holds on the workers
+        self.num_loads = 0
+        # Changes whenever an adapter may have moved to another slot (a load, a reset), so that
+        # a plan builder caching rows' slots knows to look again.
+        self.epoch = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every slot's contents (the worker group's slots are gone with it); counters stay."""
+        n = self.num_slots
+        self.refs = [0] * n
+        self._held: list[Key | None] = [None] * n  # what each slot holds on the workers
         self._slot_of: dict[Key, int] = {}
         # Slots nobody references, least recently released first (empty ones first of all).
-        self._idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self._idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))
         self._loads: list[AdapterLoad] = []
-        self.num_loads = 0
+        self.epoch += 1
+
+    @property
+    def resident(self) -> dict[Key, int]:
+        """Adapters the workers hold, referenced or idle, by slot."""
+        return dict(self._slot_of)
 
     def slot_of(self, adapter: Adapter) -> int:
         """The slot of an adapter a running group holds (acquired)."""
@@ -55,6 +69,7 @@ class AdapterSlots:
             self._slot_of[key] = slot
             self._loads.append(AdapterLoad(slot, adapter.name, adapter.path, adapter.version))
             self.num_loads += 1
+            self.epoch += 1
         if self.refs[slot] == 0:
             del self._idle[slot]
         self.refs[slot] += 1
@@ -74,10 +89,6 @@ class AdapterSlots:
         last = {load.slot: load for load in self._loads}
         self._loads = []
         return tuple(last.values())
-
-    def reset(self) -> None:
-        """Forget everything (the worker group's slots are gone with it)."""
-        self.__init__(self.num_slots)  # type: ignore[misc]
 
     def check_integrity(self, held: dict[Key, int]) -> None:
         """`held`: running groups per adapter key. Refs match them; idle slots are the unreferenced."""

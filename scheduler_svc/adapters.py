@@ -9,9 +9,11 @@ trip over is refused here with INVALID_ARGUMENT: a worker that fails a step lose
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -43,7 +45,9 @@ class Adapter:
     def cache_salt(self) -> int:
         """Starts the prefix-cache hash chain of this adapter's sequences: its KV differs from
         the base model's (and any other adapter's) for the same tokens."""
-        return hash(("lora", self.name, self.version)) | 1  # never 0, the base model's
+        # A digest, not hash(): str hashes change with every process, and tests replay chains.
+        digest = hashlib.blake2b(f"{self.name}\0{self.version}\0{self.path}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True) | 1  # never 0, the base model's
 
 
 class AdapterRegistry:
@@ -77,6 +81,10 @@ class AdapterRegistry:
             )
         if name in self._adapters:
             raise AlreadyExists(f"name: adapter {name!r} is already loaded; unload it first")
+        # Workers open the path themselves: a relative one would name their working directory.
+        path = os.path.abspath(path)
+        if not Path(path).is_dir():
+            raise InvalidArgument("path", f"{path} is not a directory (a PEFT adapter's)")
         rank, scale = self._check_config(Path(path))
         targets = self._check_tensors(Path(path), rank)
         adapter = Adapter(name, path, next(_versions), rank, scale, targets)
@@ -117,7 +125,7 @@ class AdapterRegistry:
 
     def _check_tensors(self, path: Path, rank: int) -> tuple[str, ...]:
         file = path / "adapter_model.safetensors"
-        header = _safetensors_header(file)
+        header, data_size = _safetensors_header(file)
         shapes = self._model_shapes()
         text = _text_config(self.model_dir)
         layers = int(text["num_hidden_layers"])
@@ -139,6 +147,9 @@ class AdapterRegistry:
                 raise InvalidArgument("path", f"{file}: tensor {key} names layer {layer}; the model has {layers}")
             if entry.get("dtype") not in ("F32", "F16", "BF16"):
                 raise InvalidArgument("path", f"{file}: tensor {key} has dtype {entry.get('dtype')}")
+            offsets = entry.get("data_offsets")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_size):
+                raise InvalidArgument("path", f"{file}: tensor {key} lies outside the file (truncated?)")
             features_in, features_out = shapes[module]
             want = [rank, features_in] if part == "A" else [features_out, rank]
             if entry.get("shape") != want:
@@ -181,16 +192,18 @@ def _text_config(model_dir: str) -> dict[str, Any]:
     return text if isinstance(text, dict) else config
 
 
-def _safetensors_header(file: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: 8 bytes of little-endian length, then the JSON."""
+def _safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file (8 bytes of little-endian length, then the JSON)
+    and the size of the tensor data after it."""
     try:
         with file.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > _HEADER_LIMIT:
                 raise ValueError(f"a header of {length} bytes")
             header = json.loads(f.read(length))
+            data_size = os.fstat(f.fileno()).st_size - 8 - length
     except (OSError, ValueError, struct.error) as error:
         raise InvalidArgument("path", f"{file} is not a readable safetensors file: {error}") from error
     if not isinstance(header, dict):
         raise InvalidArgument("path", f"{file} is not a safetensors file")
-    return header
+    return header, data_size

@@ -24,6 +24,7 @@ class PlanBuilder:
         self.slots = slots if slots is not None else AdapterSlots(0)
         self._ids: list[int] = []
         self._rows_epoch = -1
+        self._slots_epoch = -1
         self._static: dict[str, np.ndarray] = {}
         self._biased: list[int] = []  # rows with a logit bias or a min_tokens ban
         self._penalized: list[int] = []  # rows whose penalties need the token history
@@ -42,10 +43,13 @@ class PlanBuilder:
             self._penalized = [i for i, q in enumerate(seqs) if q.sampling.penalized]
             self._prompt_scored = [i for i, q in enumerate(seqs) if q.sampling.prompt_logprobs is not None]
             self._constrained = [i for i, q in enumerate(seqs) if q.grammar is not None]
-            # A running group keeps its slot (a referenced slot is never refilled), so the
-            # rows' slots hold while the rows do.
-            self._static["lora_slots"] = _lora_slots(seqs, self.slots)
             self._rows_epoch = -1
+            self._slots_epoch = -1
+        if self._slots_epoch != self.slots.epoch:
+            # A running group keeps its slot (a referenced slot is never refilled), so rows'
+            # slots change only with a load or a reset, which move the epoch.
+            self._static["lora_slots"] = _lora_slots(seqs, self.slots)
+            self._slots_epoch = self.slots.epoch
         if self._rows_epoch != bm.rows_epoch:
             self._static["rows"] = bm.rows_of(ids)
             self._rows_epoch = bm.rows_epoch

@@ -20,6 +20,10 @@ group is about to fork; no block would run short (no preemption); no
 higher-priority group waits. Otherwise it
 returns None and the engine waits for the result. A sequence that ends on the token in flight
 (eos, stop) wastes its row of the step planned ahead; `update` of that step skips it.
+LoRA slot loads planned ahead are safe too: a slot is refilled only while no running group
+holds it, and the worker applies a plan's loads after the forward pass of the plan before
+(plans run in order), so a row of the plan in flight, even of a group aborted since, still
+runs through the adapter it was planned with.
 
 Why this cannot thrash or livelock:
   - the victim of a preemption is always the group last in line, so the group first in line

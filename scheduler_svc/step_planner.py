@@ -190,10 +190,14 @@ class StepPlanner:
         return need
 
     def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
-        if self.s.running_slots + group.width > self.s.config.max_num_seqs:
-            return False
         if group.adapter is not None and not self.s.adapter_slots.can_acquire(group.adapter):
             return False  # every LoRA slot runs another adapter: wait for one to go idle
+        return self._fits_blocks(group, budget, reserve)
+
+    def _fits_blocks(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
+        """Whether the group's sequences and blocks fit, whatever its LoRA slot."""
+        if self.s.running_slots + group.width > self.s.config.max_num_seqs:
+            return False
         reserve += self.watermark_blocks if self.s.running else 0
         return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
 
@@ -225,7 +229,8 @@ class StepPlanner:
             head is not None
             and self.s.running
             and self.s.running[-1].priority > head.priority
-            and not self._fits(head, budget, reserve=self.running_need(budget))
+            # Blocks only: a head short of a LoRA slot waits for one (see the module docstring).
+            and not self._fits_blocks(head, budget, reserve=self.running_need(budget))
         ):
             self.s.preempt(self.s.running[-1])
 
