@@ -111,6 +111,11 @@ class AdapterRegistry:
             "alpha_pattern": "per-module alphas (alpha_pattern)",
             "fan_in_fan_out": "fan_in_fan_out weights",
             "trainable_token_indices": "trainable token embeddings",
+            "lora_bias": "a trained bias on lora_B (lora_bias)",
+            "target_parameters": "LoRA on raw parameters (target_parameters)",
+            "layer_replication": "replicated layers (layer_replication)",
+            "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+            "use_qalora": "QALoRA (use_qalora)",
         }
         for key, what in unsupported.items():
             if config.get(key):
@@ -139,7 +144,10 @@ class AdapterRegistry:
             match = _TENSOR.match(key)
             module = match.group(3) if match else ""
             if match is None or module not in MODULES:
-                raise InvalidArgument("path", f"{file}: tensor {key} adapts a module we cannot ({', '.join(MODULES)})")
+                what = "an expert of a mixture-of-experts layer" if ".experts." in key else "a module"
+                raise InvalidArgument(
+                    "path", f"{file}: tensor {key} adapts {what} no slot holds (only {', '.join(MODULES)})"
+                )
             if moe and module in MLP_MODULES:
                 raise InvalidArgument("path", f"{file}: tensor {key} adapts an MLP of a mixture-of-experts model")
             layer, part = int(match.group(1)), match.group(4)

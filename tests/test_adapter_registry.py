@@ -144,17 +144,29 @@ BAD: dict[str, tuple[Callable[[Path], object], str]] = {
     "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
     "rank_pattern": (lambda p: _edit_config(p, rank_pattern={"q_proj": 4}), "rank_pattern"),
     "alpha_pattern": (lambda p: _edit_config(p, alpha_pattern={"q_proj": 4}), "alpha_pattern"),
+    "lora_bias": (lambda p: _edit_config(p, lora_bias=True), "lora_bias"),
+    "target_parameters": (lambda p: _edit_config(p, target_parameters=["experts.w1"]), "target_parameters"),
+    "layer_replication": (lambda p: _edit_config(p, layer_replication=[[0, 2]]), "layer_replication"),
+    "alora": (lambda p: _edit_config(p, alora_invocation_tokens=[5]), "alora_invocation_tokens"),
+    "qalora": (lambda p: _edit_config(p, use_qalora=True), "QALoRA"),
+    "fan_in_fan_out": (lambda p: _edit_config(p, fan_in_fan_out=True), "fan_in_fan_out"),
+    "trainable tokens": (lambda p: _edit_config(p, trainable_token_indices=[3]), "trainable token"),
+    "rank zero": (lambda p: _edit_config(p, r=0), "positive integer"),
+    "dora magnitude tensor": (
+        lambda p: _edit_tensors(p, _rename_first_to(f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector")),
+        "adapts a module no slot holds",
+    ),
     "embedding tensor": (
         lambda p: _edit_tensors(p, _rename_first_to("base_model.model.model.embed_tokens.lora_A.weight")),
-        "adapts a module we cannot",
+        "adapts a module no slot holds",
     ),
     "lm_head tensor": (
         lambda p: _edit_tensors(p, _rename_first_to("base_model.model.lm_head.lora_A.weight")),
-        "adapts a module we cannot",
+        "adapts a module no slot holds",
     ),
     "expert tensor": (
         lambda p: _edit_tensors(p, _rename_first_to(f"{PREFIX}.0.mlp.experts.0.up_proj.lora_A.weight")),
-        "adapts a module we cannot",
+        "adapts an expert",
     ),
     "layer past the model": (
         lambda p: _edit_tensors(p, _rename_first_to(f"{PREFIX}.2.self_attn.q_proj.lora_A.weight")),
