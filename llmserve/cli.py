@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
@@ -509,6 +510,53 @@ def _run_until_signal(body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]
     asyncio.run(main())
 
 
+def _run_beside(main: _ServedThread, body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run `body(stop)` in an event loop on a thread of its own while this thread serves
+    `main`'s calls, until `body` returns (its exception is raised here). SIGINT and SIGTERM
+    set `stop`; Python runs their handlers on the main thread, which `main.run()` wakes
+    often enough to do."""
+    signalled = threading.Event()
+    shared: dict[str, Any] = {}
+
+    def on_signal(*_: object) -> None:
+        signalled.set()
+        loop, stop = shared.get("loop"), shared.get("stop")
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        shared["loop"], shared["stop"] = asyncio.get_running_loop(), stop
+        if signalled.is_set():  # a signal that came before the loop did
+            stop.set()
+        await body(stop)
+
+    def loop_thread() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as error:  # noqa: BLE001 (raised again on the main thread)
+            shared["error"] = error
+        finally:
+            main.shutdown(wait=False, cancel_futures=True)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread = threading.Thread(target=loop_thread, name="event-loop")
+        thread.start()
+        main.run()
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in shared:
+        raise shared["error"]
+
+
+class _ServedThread(Protocol):
+    def run(self) -> None: ...
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
+
+
 class _Service(Protocol):
     async def start(self) -> int: ...
     async def stop(self) -> None: ...
@@ -742,8 +790,12 @@ def cmd_worker(a: argparse.Namespace) -> None:
     if a.tp > 1 and a.rank is None:
         _run_rank_launcher(a, _model_dir(a.model))
         return
+    from worker_svc.main_thread import MainThreadExecutor
+
     tls = _tls_config(a)
     model = _model_dir(a.model)
+    # The model loads on this thread and every step runs on it (worker_svc/main_thread.py).
+    steps = MainThreadExecutor()
     server = WorkerServer(
         _worker_config(a, model),
         a.listen,
@@ -751,8 +803,9 @@ def cmd_worker(a: argparse.Namespace) -> None:
         reflection=not a.no_reflection,
         metrics_port=a.metrics_port,
         registrar=_registrar(a, model),
+        executor=steps,
     )
-    _run_until_signal(lambda stop: _serve(server, stop))
+    _run_beside(steps, lambda stop: _serve(server, stop))
     sys.exit(server.exit_code)
 
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+# The suite runs two test files at once on as few as two cores, each starting workers whose
+# OpenMP threads would otherwise spin between parallel regions (a worker serving alone
+# should: see worker_svc/main_thread.py) and starve the other file's processes. Set before
+# torch loads libgomp, so it holds here too, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Without CUDA the Triton kernels run in Triton's interpreter. It is chosen when a kernel is
 # defined, so the variable must be set before anything imports a kernel module.
 import torch  # noqa: E402

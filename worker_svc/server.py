@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+from concurrent.futures import Executor
 from pathlib import Path
 
 import grpc
@@ -46,6 +47,7 @@ class WorkerServer:
         reflection: bool = True,
         metrics_port: int = 0,
         registrar: Registrar | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.address = address
         self.grace_seconds = grace_seconds
@@ -65,7 +67,8 @@ class WorkerServer:
         self.metrics = WorkerMetrics(Path(config.model).name, config.rank)
         self.metrics.gpu_blocks.set(self.runner.kv.num_blocks)
         self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
-        self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics)
+        # Steps run on `executor` (the process's main thread, see worker_svc/main_thread.py).
+        self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics, executor)
         self.port = 0
 
     async def start(self) -> int:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -50,14 +50,22 @@ async def _read_plans(
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, model_name: str, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        model_name: str,
+        metrics: WorkerMetrics | None = None,
+        executor: Executor | None = None,
+    ) -> None:
         self._runner = runner
         self._model_name = model_name
         self._metrics = metrics
         # One thread runs every forward pass: steps are sequential by nature, and the event
-        # loop stays free to answer health checks while a step runs. It is bound to the
-        # runner's device before its first step (see parallel.bind_device).
-        self._executor = ThreadPoolExecutor(
+        # loop stays free to answer health checks while a step runs. The worker process hands
+        # its main thread, the one that loaded the model (worker_svc/main_thread.py says why);
+        # without one, a thread of our own, bound to the runner's device before its first step
+        # (see parallel.bind_device).
+        self._executor = executor or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="forward", initializer=bind_device, initargs=(runner.device,)
         )
         self._stream_lock = asyncio.Lock()

@@ -1,0 +1,95 @@
+"""An executor whose calls run on the process's main thread, for the forward passes.
+
+OpenMP (torch's intra-op pool and our C++ kernels) keeps one team of threads per thread that
+starts parallel regions. Once a second thread starts them as well (the main thread loaded
+the model and warmed it up, a pool thread then runs every step), libgomp manages more
+threads than there are cores and stops spinning between regions: every region then wakes
+its team through the kernel. A step is hundreds of small regions, so on a 2-core machine a
+decode step took 40% longer that way than the same step on the thread that loaded the model
+(`benchmarks/throughput.py`'s breakdown: every part slower, the small ops most). So the
+worker keeps all model work on its main thread, and its gRPC event loop runs on another one
+(`llmserve.cli`), handing steps over through this executor.
+
+`run()` serves calls on the calling thread until `shutdown()`. It wakes a few times a second
+even when idle, so that Python runs signal handlers (they run only on the main thread, and
+a signal may reach another thread of the process).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+# How long run() blocks for the next call before it looks for signals and shutdown again.
+POLL_S = 0.2
+
+_Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class MainThreadExecutor(Executor):
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._running = False
+        self._serving_thread: int | None = None
+        self._done = threading.Event()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            future: Future[Any] = Future()
+            self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def run(self) -> None:
+        """Run submitted calls in order on this thread; return once shut down (calls still
+        queued then are cancelled). A call's exception goes to its future, not to run()."""
+        with self._lock:
+            if self._running:
+                raise RuntimeError("MainThreadExecutor.run() is already serving")
+            self._running = True
+            self._serving_thread = threading.get_ident()
+        try:
+            while True:
+                try:
+                    future, fn, args, kwargs = self._calls.get(timeout=POLL_S)
+                except queue.Empty:
+                    if self._closed:
+                        return
+                    continue
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as error:  # noqa: BLE001 (the future carries it to the caller)
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+                del future, fn, args, kwargs  # a finished step's tensors are not kept alive here
+        finally:
+            self._cancel_queued()
+            self._done.set()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new calls; run() returns after the call it is running (with `cancel_futures`,
+        queued ones are cancelled, else run first). `wait` waits for that from another thread."""
+        with self._lock:
+            self._closed = True
+            running = self._running
+        if cancel_futures:
+            self._cancel_queued()
+        if wait and running and threading.get_ident() != self._serving_thread:
+            self._done.wait()
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                future, *_ = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            future.cancel()
