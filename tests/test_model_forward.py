@@ -183,7 +183,11 @@ BLOCK = 8
 def build(
     tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float32"
 ) -> tuple[torch.nn.Module, ModelRunner]:
+    """backend "cpu" attends every query with our C++ kernel; "cpu-sdpa" sends multi-token
+    queries to torch's SDPA, as a CPU with AMX does (worker_svc/cpu_attention.py)."""
     config_cls, model_cls, extra = CASES[case]
+    sdpa_prefills = backend == "cpu-sdpa"
+    backend = "cpu" if sdpa_prefills else backend
     if backend == "cpu":
         extra = extra | {"head_dim": 64}  # the C++ attention kernel's smallest head
         if "short_factor" in extra.get("rope_parameters", {}):
@@ -214,6 +218,8 @@ def build(
             cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=40),
         )
     )
+    if backend == "cpu":
+        runner.model.attention.sdpa_prefills = sdpa_prefills
     return ref, runner
 
 
@@ -233,13 +239,20 @@ TRITON_CASES = [
 ]
 
 
+# The CPU backend with prompts on SDPA: plain, windowed and soft-capped attention.
+SDPA_CASES = ["llama-gqa-untied", "qwen2-sliding-window", "mistral-sliding-window", "gemma2"]
+
+
 @pytest.mark.parametrize(
     ("case", "backend"),
-    [(c, "torch") for c in CASES] + [(c, "triton") for c in TRITON_CASES] + [(c, "cpu") for c in CASES],
+    [(c, "torch") for c in CASES]
+    + [(c, "triton") for c in TRITON_CASES]
+    + [(c, "cpu") for c in CASES]
+    + [(c, "cpu-sdpa") for c in SDPA_CASES],
 )
 def test_logits_match_transformers(tmp_path: Path, case: str, backend: str) -> None:
     ref, runner = build(tmp_path, case, backend)
-    assert runner.attention_backend == backend
+    assert runner.attention_backend == backend.removesuffix("-sdpa")
     got = _mixed_steps_logits(runner)
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for i, n in ((0, 15), (1, 23), (2, 10))}
@@ -250,11 +263,14 @@ def test_logits_match_transformers(tmp_path: Path, case: str, backend: str) -> N
             torch.testing.assert_close(mine, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu-sdpa"])
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "llama3-rope", "qwen2-qkv-bias"])
-def test_cpu_kernels_in_bfloat16_are_as_close_to_the_reference_as_the_torch_path(tmp_path: Path, case: str) -> None:
+def test_cpu_kernels_in_bfloat16_are_as_close_to_the_reference_as_the_torch_path(
+    tmp_path: Path, case: str, backend: str
+) -> None:
     # The same bfloat16 weights through both paths (oneDNN-packed linears, C++ norms, rotary,
     # SiLU and paged attention, against torch's ops), each compared with the float32 model.
-    ref, cpu = build(tmp_path, case, "cpu", "bfloat16")
+    ref, cpu = build(tmp_path, case, backend, "bfloat16")
     torch_path = ModelRunner(dataclasses.replace(cpu.config, attention_backend="torch"))
     assert cpu.attention_backend == "cpu" and torch_path.attention_backend == "torch"
     mine, theirs = _mixed_steps_logits(cpu), _mixed_steps_logits(torch_path)
