@@ -155,7 +155,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
             if (sh.softcap > 0.0f) scores[g] = vset(sh.softcap) * vtanh(scores[g] * vset(1.0f / sh.softcap));
             const V16 sv = vkeep(scores[g], skip, visible, -INFINITY);
             const float m_new = std::max(m[i0 + g], vmaxall(sv));
-            correction[g] = std::exp(m[i0 + g] - m_new);  // exp(-inf) = 0 on the first chunk
+            // exp(-inf) = 0 on the first chunk. Once the running max settles it rarely moves,
+            // and exp(0) is exactly 1: skipping the call changes no bit and saves a libm
+            // call per head and chunk, a good part of a decode's arithmetic.
+            correction[g] = m_new == m[i0 + g] ? 1.0f : std::exp(m[i0 + g] - m_new);
             const V16 pv = vexp(sv - vset(m_new));
             vstore(p[g], pv);
             l[i0 + g] = l[i0 + g] * correction[g] + vsum(pv);
