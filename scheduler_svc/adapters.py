@@ -14,20 +14,15 @@ import itertools
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
+from common.lora_format import MLP_MODULES, MODULES, TENSOR_NAME, UNSUPPORTED, lora_scale
 
-# What a slot can adapt: the projections of the attention and of the dense MLP.
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-MODULES = ATTENTION_MODULES + MLP_MODULES
 MAX_NAME_LENGTH = 128
-_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _HEADER_LIMIT = 100 << 20  # a safetensors header is JSON; a bigger one is not a LoRA adapter
 _versions = itertools.count(1)  # one per registration in this process (workers key host copies by it)
 
@@ -104,20 +99,7 @@ class AdapterRegistry:
             raise InvalidArgument("path", f"{file}: r must be a positive integer, got {rank!r}")
         if rank > self.max_lora_rank:
             raise InvalidArgument("path", f"rank {rank} exceeds --max-lora-rank {self.max_lora_rank}")
-        unsupported = {
-            "use_dora": "DoRA",
-            "modules_to_save": "modules_to_save (fully trained copies of modules)",
-            "rank_pattern": "per-module ranks (rank_pattern)",
-            "alpha_pattern": "per-module alphas (alpha_pattern)",
-            "fan_in_fan_out": "fan_in_fan_out weights",
-            "trainable_token_indices": "trainable token embeddings",
-            "lora_bias": "a trained bias on lora_B (lora_bias)",
-            "target_parameters": "LoRA on raw parameters (target_parameters)",
-            "layer_replication": "replicated layers (layer_replication)",
-            "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-            "use_qalora": "QALoRA (use_qalora)",
-        }
-        for key, what in unsupported.items():
+        for key, what in UNSUPPORTED.items():
             if config.get(key):
                 raise InvalidArgument("path", f"{file}: {what} is not supported")
         if config.get("bias", "none") != "none":
@@ -125,8 +107,7 @@ class AdapterRegistry:
         alpha = config.get("lora_alpha", rank)
         if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
             raise InvalidArgument("path", f"{file}: lora_alpha must be a number, got {alpha!r}")
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        return rank, float(scale)
+        return rank, lora_scale(rank, float(alpha), bool(config.get("use_rslora")))
 
     def _check_tensors(self, path: Path, rank: int) -> tuple[str, ...]:
         file = path / "adapter_model.safetensors"
@@ -141,7 +122,7 @@ class AdapterRegistry:
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
-            match = _TENSOR.match(key)
+            match = TENSOR_NAME.match(key)
             module = match.group(3) if match else ""
             if match is None or module not in MODULES:
                 what = "an expert of a mixture-of-experts layer" if ".experts." in key else "a module"

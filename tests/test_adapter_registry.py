@@ -235,3 +235,12 @@ def test_a_relative_path_is_made_absolute(
     monkeypatch.chdir(good_adapter.parent)
     a = _registry(tiny_model_dir).load("a", good_adapter.name)
     assert a.path == str(good_adapter)
+
+
+def test_the_workers_adapt_exactly_the_modules_the_registry_accepts() -> None:
+    # The registry (no torch) and the worker's slots share common/lora_format.py; a module one
+    # side knows and the other does not would be accepted here and refused by every worker.
+    from common.lora_format import MODULES
+    from worker_svc.lora_slots import TARGETS
+
+    assert set(TARGETS) == set(MODULES)

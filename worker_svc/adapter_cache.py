@@ -12,8 +12,6 @@ checks here are what a worker must not get wrong on its own: rank, modules and s
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,27 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.lora_format import TENSOR_NAME, UNSUPPORTED, lora_scale
 from common.plan import AdapterLoad
-
-# PEFT's names: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-# adapter_config.json fields that change what the adapter computes, beyond B @ A x * scale on
-# the attention and dense MLP projections: refused rather than served wrong.
-_UNSUPPORTED = (
-    "use_dora",  # DoRA: a learned magnitude per output
-    "modules_to_save",  # whole trained copies of modules
-    "rank_pattern",  # per-module ranks
-    "alpha_pattern",  # per-module scales
-    "lora_bias",  # a bias on B
-    "fan_in_fan_out",  # transposed (Conv1D) weights
-    "trainable_token_indices",  # trained embedding rows
-    "target_parameters",  # LoRA on raw parameters (MoE experts)
-    "layer_replication",  # a model with layers repeated
-    "alora_invocation_tokens",  # activated LoRA: on only after given tokens
-    "use_qalora",  # pooled inputs
-)
 
 
 def _what(key: str) -> str:
@@ -81,21 +60,21 @@ def read_adapter(path: str, name: str, max_rank: int) -> HostAdapter:
     rank = int(config.get("r", 0))
     if not 1 <= rank <= max_rank:
         raise ValueError(f"adapter {name!r}: rank {rank} outside [1, {max_rank}] (--max-lora-rank)")
-    for key in _UNSUPPORTED:
+    for key in UNSUPPORTED:
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {key} is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"adapter {name!r}: trained biases are not supported")
     alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scale = lora_scale(rank, alpha, bool(config.get("use_rslora")))
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                match = _TENSOR.match(key)
+                match = TENSOR_NAME.match(key)
                 if match is None:
                     raise ValueError(f"adapter {name!r}: tensor {key} {_what(key)}")
-                layer, module, part = int(match.group(1)), match.group(2), match.group(3)
+                layer, module, part = int(match.group(1)), match.group(3), match.group(4)
                 parts.setdefault((layer, module), {})[part] = f.get_tensor(key)
     except OSError as error:
         raise ValueError(f"adapter {name!r}: cannot read {path}/adapter_model.safetensors: {error}") from error
