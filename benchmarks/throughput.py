@@ -172,7 +172,7 @@ def resolve_dtype(dtype: str) -> str:
     if dtype != "auto":
         return dtype
     # Same rule as the worker: bfloat16 only where the CPU computes it natively.
-    from worker_svc.loader import cpu_has_fast_bf16
+    from worker_svc.cpu_features import cpu_has_fast_bf16
 
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -52,6 +52,9 @@ from llmserve.gateway import (
     smg_executable,
 )
 from llmserve.supervisor import Supervised, exit_with_parent
+
+if TYPE_CHECKING:  # the worker's modules import torch: only `llmserve worker` loads them
+    from worker_svc.main_thread import MainThreadExecutor
 
 log = structlog.get_logger("llmserve")
 
@@ -510,7 +513,7 @@ def _run_until_signal(body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]
     asyncio.run(main())
 
 
-def _run_beside(main: _ServedThread, body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+def _run_beside(main: MainThreadExecutor, body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
     """Run `body(stop)` in an event loop on a thread of its own while this thread serves
     `main`'s calls, until `body` returns (its exception is raised here). SIGINT and SIGTERM
     set `stop`; Python runs their handlers on the main thread, which `main.run()` wakes
@@ -550,11 +553,6 @@ def _run_beside(main: _ServedThread, body: Callable[[asyncio.Event], Coroutine[A
             signal.signal(sig, handler)
     if "error" in shared:
         raise shared["error"]
-
-
-class _ServedThread(Protocol):
-    def run(self) -> None: ...
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
 class _Service(Protocol):

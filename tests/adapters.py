@@ -5,11 +5,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+from common.lora_format import ATTENTION_MODULES, MLP_MODULES
+
+ATTENTION, MLP = ATTENTION_MODULES, MLP_MODULES
+
+
+def save_small_llama(out: Path, **overrides: Any) -> Path:
+    """A random-weight float32 Llama of 2 layers and hidden size 64 saved to `out` (no
+    tokenizer): the base model the worker-side LoRA tests adapt. Seeded, so the same
+    overrides give the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params: dict[str, Any] = dict(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**(params | overrides))).float().save_pretrained(str(out))
+    return out
 
 
 def make_peft_adapter(

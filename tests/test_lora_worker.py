@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from common.config import CacheConfig, LoraConfig, WorkerConfig
 from common.plan import AdapterLoad, StepPlan
-from tests.adapters import ATTENTION, MLP, make_peft_adapter, reference_greedy
+from tests.adapters import ATTENTION, MLP, make_peft_adapter, reference_greedy, save_small_llama
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
 from worker_svc.runner import ModelRunner, PlanError
@@ -25,23 +24,8 @@ TABLES = [[3, 9, 1, 12], [4, 2, 15, 6, 11], [0, 5, 7, 8]]
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A small Llama (heads of 64, so the C++ attention kernel takes it) and three adapters."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("lora-worker")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-    )
-    LlamaForCausalLM(cfg).float().save_pretrained(str(root / "model"))
-    model = root / "model"
+    model = save_small_llama(root / "model", num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     return {
         "model": model,
         "qv": make_peft_adapter(model, root / "qv", ("q_proj", "v_proj"), rank=8, seed=1),

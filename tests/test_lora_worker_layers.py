@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from common.config import LoraConfig
+from common.lora_format import MODULES
 from common.plan import AdapterLoad
 from tests.conftest import skip_without_cuda
 from worker_svc.lora_slots import LoraLayer, LoraSlots
@@ -28,7 +29,6 @@ from worker_svc.models.registry import build_model
 from worker_svc.parallel import ParallelGroup
 
 HIDDEN, HEADS, HEAD_DIM, INTER, LAYERS = 64, 8, 8, 128, 2
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 # Tokens of three sequences: slot 0, the base model, slot 1.
 TOKEN_SLOTS = np.array([0, 0, 0, -1, -1, 1, 1, 1, 1, 0], np.int32)

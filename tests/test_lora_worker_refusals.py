@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from common.config import CacheConfig, LoraConfig, WorkerConfig
 from common.plan import AdapterLoad, StepPlan
-from tests.adapters import make_peft_adapter
+from tests.adapters import make_peft_adapter, save_small_llama
 from tests.plans import Feed, make_plan
 from worker_svc.runner import ModelRunner, PlanError
 
@@ -28,21 +28,8 @@ PROMPT = [5, 17, 42, 99, 3]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("lora-refusals")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(cfg).float().save_pretrained(str(root / "model"))
-    model = root / "model"
+    model = save_small_llama(root / "model", initializer_range=0.02)
     good = make_peft_adapter(model, root / "good", ("q_proj", "v_proj"), rank=8, seed=1)
     out = {"model": model, "good": good}
     out["embed"] = make_peft_adapter(model, root / "embed", ("embed_tokens", "lm_head"), rank=4, seed=2)

@@ -17,13 +17,13 @@ writes this step's K/V into the cache; then
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernels.cpu_ops import CpuKernels
 from worker_svc.attention import PagedAttentionBackend, attend_prefills
+from worker_svc.cpu_features import cpu_has_amx
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,6 @@ class CpuAttentionMetadata:
     prefills: tuple[tuple[int, int, int, int], ...]
     any_kernel: bool
     num_tokens: int  # the step's tokens; rows past them pad the batch (worker_svc/step_buckets.py)
-
-
-def cpu_has_amx() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 class CpuPagedAttention(PagedAttentionBackend):

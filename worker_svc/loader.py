@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from worker_svc.cpu_features import cpu_has_fast_bf16
 from worker_svc.layers import Loaded
 from worker_svc.models.decoder import CausalLM
 from worker_svc.models.registry import build_model
@@ -32,14 +33,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -34,8 +34,7 @@ class MainThreadExecutor(Executor):
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._running = False
-        self._serving_thread: int | None = None
+        self._serving_thread: int | None = None  # set while run() serves
         self._done = threading.Event()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -50,9 +49,8 @@ class MainThreadExecutor(Executor):
         """Run submitted calls in order on this thread; return once shut down (calls still
         queued then are cancelled). A call's exception goes to its future, not to run()."""
         with self._lock:
-            if self._running:
+            if self._serving_thread is not None:
                 raise RuntimeError("MainThreadExecutor.run() is already serving")
-            self._running = True
             self._serving_thread = threading.get_ident()
         try:
             while True:
@@ -80,10 +78,10 @@ class MainThreadExecutor(Executor):
         queued ones are cancelled, else run first). `wait` waits for that from another thread."""
         with self._lock:
             self._closed = True
-            running = self._running
+            serving = self._serving_thread
         if cancel_futures:
             self._cancel_queued()
-        if wait and running and threading.get_ident() != self._serving_thread:
+        if wait and serving is not None and threading.get_ident() != serving:
             self._done.wait()
 
     def _cancel_queued(self) -> None:
