@@ -200,11 +200,11 @@ def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke
     import numpy as np
 
     from common.config import CacheConfig, SchedulerConfig, WorkerConfig
-    from scheduler_svc.block_manager import BlockManager
-    from scheduler_svc.scheduler import Scheduler
-    from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
-    from scheduler_svc.sequence_group import SequenceGroup
-    from worker_svc.runner import ModelRunner
+    from scheduler_svc.kv.block_manager import BlockManager
+    from scheduler_svc.sched.scheduler import Scheduler
+    from scheduler_svc.sched.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.sched.sequence_group import SequenceGroup
+    from worker_svc.step.runner import ModelRunner
 
     results: dict[str, Any] = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"]}
     tokens: dict[str, list[list[int]]] = {}
@@ -353,8 +353,8 @@ def check_token_limit(device: torch.device, smoke: bool) -> dict[str, Any]:
 def check_sampling_peak(model_dir: str, device: torch.device) -> dict[str, Any]:
     """The heaviest step run on the sized cache peaks no higher than the profile that sized it."""
     from common.config import CacheConfig, WorkerConfig
-    from worker_svc.probe_plans import heaviest_step
-    from worker_svc.runner import ModelRunner
+    from worker_svc.step.probe_plans import heaviest_step
+    from worker_svc.step.runner import ModelRunner
 
     runner = ModelRunner(
         WorkerConfig(

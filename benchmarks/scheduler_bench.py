@@ -4,9 +4,9 @@ A fake worker answers every plan at once with tokens that are a pure function of
 and position, so the only work timed is the scheduler's own, per step:
 
     schedule  Scheduler.schedule(): choosing the step, then build_plan (also reported alone)
-    encode    scheduler_svc.wire.step_plan(plan).SerializeToString()
-    decode    worker_pb2.StepResult.FromString + scheduler_svc.wire.step_result
-              (the worker's bytes are made, by worker_svc.wire, outside the clock)
+    encode    scheduler_svc.api.generation_wire.step_plan(plan).SerializeToString()
+    decode    worker_pb2.StepResult.FromString + scheduler_svc.api.generation_wire.step_result
+              (the worker's bytes are made, by worker_svc.service.wire, outside the clock)
     update    Scheduler.update(plan, result)
 
 Times are CPU time of this process (time.process_time_ns), so other load on the machine does
@@ -60,18 +60,18 @@ from common import log as logsetup  # noqa: E402
 from common.config import SchedulerConfig  # noqa: E402
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb  # noqa: E402
 from common.plan import StepPlan, StepResult  # noqa: E402
-from scheduler_svc import wire as scheduler_wire  # noqa: E402
-from scheduler_svc.block_manager import BlockManager  # noqa: E402
-from scheduler_svc.plan_builder import PlanBuilder  # noqa: E402
-from scheduler_svc.scheduler import Scheduler, TokenEvent  # noqa: E402
-from scheduler_svc.sequence import (  # noqa: E402
+from scheduler_svc.api import generation_wire as scheduler_wire  # noqa: E402
+from scheduler_svc.kv.block_manager import BlockManager  # noqa: E402
+from scheduler_svc.sched.plan_builder import PlanBuilder  # noqa: E402
+from scheduler_svc.sched.scheduler import Scheduler, TokenEvent  # noqa: E402
+from scheduler_svc.sched.sequence import (  # noqa: E402
     FinishReason,
     SamplingParams,
     Sequence,
     StoppingParams,
 )
-from scheduler_svc.sequence_group import SequenceGroup  # noqa: E402
-from worker_svc import wire as worker_wire  # noqa: E402
+from scheduler_svc.sched.sequence_group import SequenceGroup  # noqa: E402
+from worker_svc.service import wire as worker_wire  # noqa: E402
 
 log = structlog.get_logger("benchmark")
 

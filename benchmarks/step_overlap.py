@@ -66,7 +66,7 @@ class SleepingRunner:
         import torch
 
         from common.config import WorkerConfig
-        from worker_svc.parallel import SINGLE
+        from worker_svc.device.parallel import SINGLE
 
         self.config = WorkerConfig(model=model_name)
         self.group = SINGLE
@@ -112,7 +112,7 @@ async def _serve_standin(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from common.pb.llmserve.v1 import worker_pb2_grpc
-    from worker_svc.servicer import WorkerServicer
+    from worker_svc.service.servicer import WorkerServicer
 
     config = json.loads((Path(args.model) / "config.json").read_text())
     runner = SleepingRunner(

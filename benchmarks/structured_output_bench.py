@@ -17,8 +17,8 @@ token. Timed per step, as scheduler_bench does, in CPU time of this process
     schedule    Scheduler.schedule(): choosing the step, then build_plan (also reported alone),
                 whose mask fill (grammar.fill_masks: xgrammar's threads fill the rows) is
                 reported alone too
-    encode      scheduler_svc.wire.step_plan(plan).SerializeToString()
-    decode      worker_pb2.StepResult.FromString + scheduler_svc.wire.step_result
+    encode      scheduler_svc.api.generation_wire.step_plan(plan).SerializeToString()
+    decode      worker_pb2.StepResult.FromString + scheduler_svc.api.generation_wire.step_result
     update      Scheduler.update(plan, result): for a constrained row, accept_token and the
                 grammar's end check
 
@@ -78,13 +78,13 @@ from common.config import SchedulerConfig  # noqa: E402
 from common.model_spec import ModelSpec  # noqa: E402
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb  # noqa: E402
 from common.plan import StepPlan, StepResult  # noqa: E402
-from scheduler_svc import plan_builder  # noqa: E402
-from scheduler_svc import wire as scheduler_wire  # noqa: E402
-from scheduler_svc.grammar import GrammarCompiler  # noqa: E402
-from scheduler_svc.plan_builder import PlanBuilder  # noqa: E402
-from scheduler_svc.scheduler import Scheduler, TokenEvent  # noqa: E402
-from scheduler_svc.structured_output import StructuredOutput  # noqa: E402
-from worker_svc import wire as worker_wire  # noqa: E402
+from scheduler_svc.api import generation_wire as scheduler_wire  # noqa: E402
+from scheduler_svc.sched import plan_builder  # noqa: E402
+from scheduler_svc.sched.plan_builder import PlanBuilder  # noqa: E402
+from scheduler_svc.sched.scheduler import Scheduler, TokenEvent  # noqa: E402
+from scheduler_svc.text.grammar import GrammarCompiler  # noqa: E402
+from scheduler_svc.text.structured_output import StructuredOutput  # noqa: E402
+from worker_svc.service import wire as worker_wire  # noqa: E402
 
 log = structlog.get_logger("benchmark")
 

@@ -172,7 +172,7 @@ def resolve_dtype(dtype: str) -> str:
     if dtype != "auto":
         return dtype
     # Same rule as the worker: bfloat16 only where the CPU computes it natively.
-    from worker_svc.cpu_features import cpu_has_fast_bf16
+    from worker_svc.device.cpu_features import cpu_has_fast_bf16
 
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
@@ -331,7 +331,7 @@ def _scrape_parts(metrics_url: str) -> dict[str, float]:
     return out
 
 
-# Display order of the parts: the scheduler's, then the worker's (worker_svc/step_profile.py).
+# Display order of the parts: the scheduler's, then the worker's (worker_svc/step/step_profile.py).
 PARTS = (
     "plan_build",
     "plan_encode",

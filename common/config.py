@@ -29,7 +29,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     # Memory the KV pool may take. None: on CPU, 2 GiB or 30% of the available memory if
     # less; on CUDA, what is left of gpu_memory_utilization of the device after the weights
-    # and the heaviest step's peak (worker_svc/host_memory.py, runner.py).
+    # and the heaviest step's peak (worker_svc/step/host_memory.py, runner.py).
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     # Host memory for the swap pool of preempted sequences (pinned on CUDA). None: 4 GiB with
@@ -151,7 +151,7 @@ class WorkerConfig:
     # Time each step by part (StepResult.part_seconds); hooks cost a little, on CUDA a sync each.
     profile_steps: bool = False
     # On CUDA, decode steps replay CUDA graphs captured per batch-size bucket up to
-    # max_num_seqs (worker_svc/cuda_graphs.py), unless enforce_eager.
+    # max_num_seqs (worker_svc/step/cuda_graphs.py), unless enforce_eager.
     enforce_eager: bool = False
     max_num_seqs: int = 256
     # Tensor parallelism: this process is `rank` of `world_size`, meeting the others at

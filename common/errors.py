@@ -1,6 +1,6 @@
 """Errors that reach clients, one class per gRPC status code (docs/design.md section 2).
 
-Domain code raises these; the interceptor in `common.grpc_errors` turns them into status
+Domain code raises these; the interceptor in `common.grpc.error_interceptor` turns them into status
 codes, so no servicer builds a status by hand and no traceback reaches a client.
 """
 

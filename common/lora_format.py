@@ -1,6 +1,6 @@
 """What a served LoRA adapter is, in PEFT's own terms: the scheduler checks an adapter against
-it when it is registered (scheduler_svc/adapters.py, no torch) and each worker again when it
-reads the tensors (worker_svc/adapter_cache.py), so both refuse the same adapters."""
+it when it is registered (scheduler_svc/lora/adapter_registry.py, no torch) and each worker again when it
+reads the tensors (worker_svc/lora/adapter_cache.py), so both refuse the same adapters."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Both sides hold these as numpy arrays (never per-sequence Python objects), because a plan of
 hundreds of sequences is built, encoded and decoded every few milliseconds. The wire form is
-packed little-endian bytes of the same arrays (`scheduler_svc.wire`, `worker_svc.wire`).
+packed little-endian bytes of the same arrays (`scheduler_svc.api.generation_wire`, `worker_svc.service.wire`).
 
 Token layout of one step, for three sequences fed 3, 1 and 2 tokens:
 
@@ -218,6 +218,6 @@ class StepResult:
     prompt_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
     prompt_top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     prompt_top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))
-    # Seconds of the step by part when the worker profiles its steps (worker_svc.step_profile);
+    # Seconds of the step by part when the worker profiles its steps (worker_svc.step.step_profile);
     # empty otherwise.
     part_seconds: dict[str, float] = field(default_factory=dict)

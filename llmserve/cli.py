@@ -40,7 +40,7 @@ from common.config import (
     TlsConfig,
     WorkerConfig,
 )
-from common.ports import check_free
+from common.grpc.ports import check_free
 from llmserve.gateway import (
     DEFAULT_HTTP_PORT,
     DEFAULT_METRICS_PORT,
@@ -54,7 +54,7 @@ from llmserve.gateway import (
 from llmserve.supervisor import Supervised, exit_with_parent
 
 if TYPE_CHECKING:  # the worker's modules import torch: only `llmserve worker` loads them
-    from worker_svc.main_thread import MainThreadExecutor
+    from worker_svc.service.main_thread import MainThreadExecutor
 
 log = structlog.get_logger("llmserve")
 
@@ -664,7 +664,7 @@ def _worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
 
 
 def cmd_scheduler(a: argparse.Namespace) -> None:
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     server_config, worker_tls = _server_config(a), _client_tls_config(a, "worker")
     model = _model_dir(a.model)
@@ -740,7 +740,7 @@ def _check_tp(model: str, tp: int) -> None:
         return
     import json
 
-    from worker_svc.parallel import check_splittable
+    from worker_svc.device.parallel import check_splittable
 
     config = json.loads((Path(model) / "config.json").read_text())
     heads = int(config["num_attention_heads"])
@@ -781,18 +781,18 @@ def _run_rank_launcher(a: argparse.Namespace, model: str) -> None:
 
 
 def cmd_worker(a: argparse.Namespace) -> None:
-    from worker_svc.server import WorkerServer
+    from worker_svc.service.server import WorkerServer
 
     if a.parent_pid is not None:
         exit_with_parent(a.parent_pid)
     if a.tp > 1 and a.rank is None:
         _run_rank_launcher(a, _model_dir(a.model))
         return
-    from worker_svc.main_thread import MainThreadExecutor
+    from worker_svc.service.main_thread import MainThreadExecutor
 
     tls = _tls_config(a)
     model = _model_dir(a.model)
-    # The model loads on this thread and every step runs on it (worker_svc/main_thread.py).
+    # The model loads on this thread and every step runs on it (worker_svc/service/main_thread.py).
     steps = MainThreadExecutor()
     server = WorkerServer(
         _worker_config(a, model),
@@ -811,7 +811,7 @@ def _registrar(a: argparse.Namespace, model: str) -> Any:
     """With --scheduler: how this rank registers (its advertised address, group and rank)."""
     if not a.scheduler:
         return None
-    from worker_svc.registration import Registrar
+    from worker_svc.service.registration import Registrar
 
     address = a.advertise or a.listen
     host = address.rpartition(":")[0]
@@ -910,7 +910,7 @@ def cmd_gateway(a: argparse.Namespace) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> None:
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     server_config = _server_config(a)
     model = _model_dir(a.model)

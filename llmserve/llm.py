@@ -30,8 +30,8 @@ from llmserve.local_engine import LocalEngine, python_error
 from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput, request_output
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
-from scheduler_svc.request import GenerationRequest
-from scheduler_svc.structured_output import StructuredOutput
+from scheduler_svc.engine.request import GenerationRequest
+from scheduler_svc.text.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from typing import Self

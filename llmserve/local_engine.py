@@ -29,12 +29,12 @@ from llmserve import cli
 from llmserve.engine_args import EngineArgs
 from llmserve.rank_launcher import rank_addresses
 from llmserve.supervisor import Supervised
-from scheduler_svc.chat_template import ChatTemplate
-from scheduler_svc.engine import Engine
-from scheduler_svc.rank_links import RankLinks
-from scheduler_svc.request import GenerationRequest, RequestOutput
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import WorkerClient, WorkerLink
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.request import GenerationRequest, RequestOutput
+from scheduler_svc.text.chat_template import ChatTemplate
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.workers.rank_links import RankLinks
+from scheduler_svc.workers.worker_client import WorkerClient, WorkerLink
 
 log = structlog.get_logger("llmserve")
 

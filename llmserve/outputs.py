@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scheduler_svc.request import RequestOutput as Piece
-from scheduler_svc.request import TokenLogprob
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.engine.request import RequestOutput as Piece
+from scheduler_svc.engine.request import TokenLogprob
+from scheduler_svc.sched.sequence import FinishReason
 
 _FINISH = {
     FinishReason.LENGTH: "length",

@@ -6,7 +6,7 @@ import os
 
 # The suite runs two test files at once on as few as two cores, each starting workers whose
 # OpenMP threads would otherwise spin between parallel regions (a worker serving alone
-# should: see worker_svc/main_thread.py) and starve the other file's processes. Set before
+# should: see worker_svc/service/main_thread.py) and starve the other file's processes. Set before
 # torch loads libgomp, so it holds here too, and inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -219,7 +219,7 @@ async def wait_serving(channel: grpc.aio.Channel, timeout: float = 60.0) -> None
 
 
 async def start_scheduler(model_dir: Path, worker_address: str, **config: int) -> Scheduler:
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     server = SchedulerServer(
         str(model_dir),

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from common.errors import AlreadyExists, InvalidArgument, NotFound
-from scheduler_svc.adapters import Adapter, AdapterRegistry
+from scheduler_svc.lora.adapter_registry import Adapter, AdapterRegistry
 from tests.adapters import ATTENTION, MLP, make_peft_adapter
 
 PREFIX = "base_model.model.model.layers"
@@ -241,6 +241,6 @@ def test_the_workers_adapt_exactly_the_modules_the_registry_accepts() -> None:
     # The registry (no torch) and the worker's slots share common/lora_format.py; a module one
     # side knows and the other does not would be accepted here and refused by every worker.
     from common.lora_format import MODULES
-    from worker_svc.lora_slots import TARGETS
+    from worker_svc.lora.lora_slots import TARGETS
 
     assert set(TARGETS) == set(MODULES)

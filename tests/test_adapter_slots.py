@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.plan import AdapterLoad
-from scheduler_svc.adapter_slots import AdapterSlots
-from scheduler_svc.adapters import Adapter
+from scheduler_svc.lora.adapter_registry import Adapter
+from scheduler_svc.lora.adapter_slots import AdapterSlots
 
 
 def adapter(name: str, version: int = 1) -> Adapter:

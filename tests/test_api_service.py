@@ -184,7 +184,7 @@ async def test_messages_and_prompt_are_exclusive(tiny_scheduler: Scheduler) -> N
 def test_chat_template_renders_like_transformers(smollm2_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from scheduler_svc.chat_template import ChatTemplate
+    from scheduler_svc.text.chat_template import ChatTemplate
 
     template = ChatTemplate.from_dir(smollm2_dir)
     assert template is not None

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.kv.block_manager import BlockManager
 
 BS = 4
 # Distinct 4-token blocks for prefix tests (one block each).

@@ -14,13 +14,13 @@ from common.config import CacheConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc import wire as scheduler_wire
+from scheduler_svc.api import generation_wire as scheduler_wire
 from tests.conftest import skip_without_cuda
 from tests.plans import Feed, make_plan
-from worker_svc import wire as worker_wire
-from worker_svc.kv_cache import GIB, KVCache
 from worker_svc.models.shape import ModelShape
-from worker_svc.runner import ModelRunner, PlanError
+from worker_svc.service import wire as worker_wire
+from worker_svc.step.kv_cache import GIB, KVCache
+from worker_svc.step.runner import ModelRunner, PlanError
 
 BLOCK = 8
 GPU_BLOCKS = 16
@@ -370,7 +370,7 @@ def test_worker_info_carries_block_bytes() -> None:
 def test_default_pools_are_sized_from_the_available_memory(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No --kv-cache-gb or --swap-space-gb: on a CPU worker the KV pool takes 2 GiB or 30% of
     the available memory if less, the swap pool 1 GiB or 10%."""
-    from worker_svc import host_memory
+    from worker_svc.step import host_memory
 
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000 * block_bytes)
@@ -391,6 +391,6 @@ def test_default_pools_are_sized_from_the_available_memory(model_dir: Path, monk
 
 
 def test_available_memory_is_read_from_the_machine() -> None:
-    from worker_svc import host_memory
+    from worker_svc.step import host_memory
 
     assert 0 < host_memory.available_bytes() < 1 << 50

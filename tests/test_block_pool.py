@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.kv.block_pool import BlockPool
 
 
 def test_take_is_fifo_and_a_release_goes_to_the_tail() -> None:

@@ -22,7 +22,7 @@ from kernels.cpu_ops import ATTENTION_HEAD_DIMS, CpuKernels, cpu_kernels
 from kernels.kv_store import store_kv_reference
 from kernels.prefill_attention import paged_prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
-from worker_svc.rotary import _rotate
+from worker_svc.layers.rotary import _rotate
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -296,7 +296,7 @@ def test_worker_without_a_compiler_uses_the_torch_kernels(tmp_path: pytest.TempP
     # A fresh process (no library loaded yet), a cache with nothing in it, and no compiler.
     code = (
         "import torch\n"
-        "from worker_svc.loader import resolve_attention_backend\n"
+        "from worker_svc.step.loader import resolve_attention_backend\n"
         "print(resolve_attention_backend('auto', torch.device('cpu'), torch.bfloat16, 64))\n"
     )
     env = {"PATH": "/nonexistent", "CXX": "/nonexistent/c++", "LLMSERVE_CACHE": str(tmp_path), "HOME": str(tmp_path)}
@@ -306,7 +306,7 @@ def test_worker_without_a_compiler_uses_the_torch_kernels(tmp_path: pytest.TempP
 
 
 def test_auto_picks_the_cpu_kernels_only_where_they_apply() -> None:
-    from worker_svc.loader import resolve_attention_backend
+    from worker_svc.step.loader import resolve_attention_backend
 
     cpu = torch.device("cpu")
     assert resolve_attention_backend("auto", cpu, torch.bfloat16, 64) == "cpu"

@@ -18,10 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import CacheConfig, WorkerConfig
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
-from worker_svc.cuda_graphs import fits, stage
-from worker_svc.runner import ModelRunner
-from worker_svc.step_buckets import graph_buckets
-from worker_svc.triton_attention import TritonAttentionMetadata
+from worker_svc.layers.triton_attention import TritonAttentionMetadata
+from worker_svc.step.cuda_graphs import fits, stage
+from worker_svc.step.runner import ModelRunner
+from worker_svc.step.step_buckets import graph_buckets
 
 BLOCK = 8
 

@@ -18,11 +18,11 @@ from common.errors import Aborted, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.engine import Engine
-from scheduler_svc.request import GenerationRequest, RequestOutput
-from scheduler_svc.sequence import FinishReason
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import StepTiming
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.request import GenerationRequest, RequestOutput
+from scheduler_svc.sched.sequence import FinishReason
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.workers.worker_client import StepTiming
 
 
 class FakeWorker:
@@ -144,9 +144,9 @@ async def test_a_late_abort_does_not_hit_a_new_request_with_the_same_id(spec: Mo
 
 def _stale_stream(engine: Engine, outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
     """A finished request's stream object, as a cancelled handler would still hold it."""
-    from scheduler_svc.request_stream import RequestStream
-    from scheduler_svc.sequence import SamplingParams, Sequence, StoppingParams
-    from scheduler_svc.sequence_group import SequenceGroup
+    from scheduler_svc.engine.request_stream import RequestStream
+    from scheduler_svc.sched.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.sched.sequence_group import SequenceGroup
 
     seq = Sequence(10**6, "x", [1, 2], SamplingParams(), StoppingParams(max_tokens=3), arrival=10**6)
     return RequestStream(SequenceGroup("x", [seq], seq.sampling, 10**6), engine.tokenizer, 0)

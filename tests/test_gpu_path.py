@@ -25,13 +25,13 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from common.plan import StepPlan, StepResult
-from scheduler_svc import wire as scheduler_wire
+from scheduler_svc.api import generation_wire as scheduler_wire
 from tests.plans import Feed, make_plan
+from worker_svc.device.parallel import ParallelGroup, init_group
+from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.models.registry import build_model
-from worker_svc.parallel import ParallelGroup, init_group
-from worker_svc.rotary import RotaryEmbedding
-from worker_svc.runner import PlanError
-from worker_svc.servicer import WorkerServicer
+from worker_svc.service.servicer import WorkerServicer
+from worker_svc.step.runner import PlanError
 
 ROPES: dict[str, dict[str, Any]] = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

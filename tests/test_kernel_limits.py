@@ -41,7 +41,7 @@ def test_shapes_must_be_positive() -> None:
 def test_the_limit_of_a_checkpoint_is_its_whole_shape() -> None:
     from transformers import LlamaConfig
 
-    from worker_svc.runner import triton_token_limit
+    from worker_svc.step.runner import triton_token_limit
 
     config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336)
     assert triton_token_limit(config) == max_tokens_per_step(**LLAMA3_8B)
@@ -54,7 +54,7 @@ def test_a_worker_refuses_a_token_budget_past_the_limit(tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
     from common.config import WorkerConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.step.runner import ModelRunner
 
     LlamaConfig(
         vocab_size=64,

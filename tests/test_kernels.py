@@ -195,9 +195,9 @@ def test_align_by_expert_groups_pairs_in_padded_blocks() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(37, 8, 2), (5, 6, 3), (1, 4, 1)])
 def test_fused_moe(dtype: torch.dtype, tokens: int, experts: int, top_k: int) -> None:
-    """Against the float32 reference and the worker's torch path (worker_svc/moe.py)."""
-    from worker_svc.moe import FusedMoE
-    from worker_svc.parallel import SINGLE
+    """Against the float32 reference and the worker's torch path (worker_svc/layers/moe.py)."""
+    from worker_svc.device.parallel import SINGLE
+    from worker_svc.layers.moe import FusedMoE
 
     g = torch.Generator().manual_seed(tokens)
     hidden, inter = 64, 80  # an intermediate width that is not a multiple of the tiles
@@ -245,7 +245,7 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
 def test_rotary_in_place_with_llama3_scaling(dtype: torch.dtype) -> None:
     from transformers import LlamaConfig
 
-    from worker_svc.rotary import RotaryEmbedding
+    from worker_svc.layers.rotary import RotaryEmbedding
 
     config = LlamaConfig(
         hidden_size=640,

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_scheduler_service_imports_no_torch_or_triton() -> None:
-    modules = [f"scheduler_svc.{m.name}" for m in pkgutil.iter_modules(scheduler_svc.__path__)]
-    assert "scheduler_svc.engine" in modules and "scheduler_svc.server" in modules
+    modules = [m.name for m in pkgutil.walk_packages(scheduler_svc.__path__, "scheduler_svc.")]
+    assert "scheduler_svc.engine.engine" in modules and "scheduler_svc.api.server" in modules
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -56,7 +56,7 @@ def test_common_imports_no_service_and_no_launcher() -> None:
     supervisor, rank launcher, model preparation, clients, the offline LLM) is in llmserve/."""
     import common
 
-    modules = sorted(f"common.{m.name}" for m in pkgutil.iter_modules(common.__path__))
+    modules = sorted(m.name for m in pkgutil.walk_packages(common.__path__, "common.") if ".pb" not in m.name)
     assert "common.config" in modules and "common.plan" in modules
     code = (
         "import importlib, sys\n"

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from common.errors import InvalidArgument
-from scheduler_svc.live_streams import LiveStreams
-from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.engine.live_streams import LiveStreams
+from scheduler_svc.engine.request_stream import RequestStream
 from tests.test_recovery import group
 
 

@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
 )
 
 from common.plan import SamplingBatch
-from worker_svc.logits_processor import process_logits
-from worker_svc.sampler import sample
+from worker_svc.sampling.logits_processor import process_logits
+from worker_svc.sampling.sampler import sample
 
 VOCAB = 40
 

@@ -14,7 +14,7 @@ from common.plan import AdapterLoad, StepPlan
 from tests.adapters import ATTENTION, MLP, make_peft_adapter, reference_greedy, save_small_llama
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
-from worker_svc.runner import ModelRunner, PlanError
+from worker_svc.step.runner import ModelRunner, PlanError
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 30)), [7, 7, 150, 3, 60, 61, 62, 9, 1]]

@@ -24,9 +24,9 @@ from common.config import LoraConfig
 from common.lora_format import MODULES
 from common.plan import AdapterLoad
 from tests.conftest import skip_without_cuda
-from worker_svc.lora_slots import LoraLayer, LoraSlots
+from worker_svc.device.parallel import ParallelGroup
+from worker_svc.lora.lora_slots import LoraLayer, LoraSlots
 from worker_svc.models.registry import build_model
-from worker_svc.parallel import ParallelGroup
 
 HIDDEN, HEADS, HEAD_DIM, INTER, LAYERS = 64, 8, 8, 128, 2
 ROW_PARALLEL = ("o_proj", "down_proj")

@@ -21,7 +21,7 @@ from common.config import CacheConfig, LoraConfig, WorkerConfig
 from common.plan import AdapterLoad, StepPlan
 from tests.adapters import make_peft_adapter, save_small_llama
 from tests.plans import Feed, make_plan
-from worker_svc.runner import ModelRunner, PlanError
+from worker_svc.step.runner import ModelRunner, PlanError
 
 PROMPT = [5, 17, 42, 99, 3]
 

@@ -1,4 +1,4 @@
-"""The worker's steps run on the thread that loaded the model (worker_svc/main_thread.py), its
+"""The worker's steps run on the thread that loaded the model (worker_svc/service/main_thread.py), its
 event loop on another one (llmserve.cli._run_beside)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from llmserve.cli import _run_beside
-from worker_svc.main_thread import MainThreadExecutor
+from worker_svc.service.main_thread import MainThreadExecutor
 
 
 def serve_in_background(executor: MainThreadExecutor) -> threading.Thread:

@@ -32,7 +32,7 @@ def value(text: str, name: str, labels: str = LABEL) -> float:
 
 
 async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_dir: Path) -> None:
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     worker_metrics = free_port()
     worker = start_worker(

@@ -37,7 +37,7 @@ from transformers import (
 from common.config import CacheConfig, WorkerConfig
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
-from worker_svc.runner import ModelRunner
+from worker_svc.step.runner import ModelRunner
 
 BASE: dict[str, Any] = dict(
     vocab_size=300,
@@ -184,7 +184,7 @@ def build(
     tmp_path: Path, case: str, backend: str = "torch", dtype: str = "float32"
 ) -> tuple[torch.nn.Module, ModelRunner]:
     """backend "cpu" attends every query with our C++ kernel; "cpu-sdpa" sends multi-token
-    queries to torch's SDPA, as a CPU with AMX does (worker_svc/cpu_attention.py)."""
+    queries to torch's SDPA, as a CPU with AMX does (worker_svc/layers/cpu_attention.py)."""
     config_cls, model_cls, extra = CASES[case]
     sdpa_prefills = backend == "cpu-sdpa"
     backend = "cpu" if sdpa_prefills else backend
@@ -365,7 +365,7 @@ def test_the_family_features_move_the_reference_logits(case: str) -> None:
 def test_longrope_uses_the_long_frequencies_past_the_original_length() -> None:
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from worker_svc.rotary import RotaryEmbedding
+    from worker_svc.layers.rotary import RotaryEmbedding
 
     config_cls, _, extra = CASES["phi3-longrope"]
     config = config_cls(**(BASE | extra))
@@ -381,7 +381,7 @@ def test_gemma_norms_round_once_like_transformers_in_bfloat16() -> None:
     """(1 + w) in float32 times the normalised row, rounded once: Gemma's order, not Llama's."""
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 
-    from worker_svc.layers import RMSNorm
+    from worker_svc.layers.replicated import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     w = (0.3 * torch.randn(2304, generator=g)).to(torch.bfloat16)

@@ -17,10 +17,10 @@ import pytest
 
 from common.config import SchedulerConfig
 from common.plan import DEFERRED_INPUT, StepPlan, StepResult
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
-from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
 VOCAB = 64

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.ports import EXCLUSIVE, PortUnavailable, bind, check_free, serve_http
+from common.grpc.ports import EXCLUSIVE, PortUnavailable, bind, check_free, serve_http
 from tests.conftest import REPO
 
 

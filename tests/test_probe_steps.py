@@ -28,14 +28,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import CacheConfig, WorkerConfig
 from common.plan import SamplingBatch, StepPlan, StepResult
 from kernels.paged_attention import MERGE_PADS
-from worker_svc import kv_cache
-from worker_svc import runner as runner_module
-from worker_svc import triton_attention as backend
-from worker_svc.logits_processor import process_logits
-from worker_svc.logprobs import logprob_tensors
-from worker_svc.probe_plans import PROFILE_LOGPROBS, heaviest_step, widest_decode_step
-from worker_svc.runner import ModelRunner
-from worker_svc.sampler import sample
+from worker_svc.layers.replicated import triton_attention as backend
+from worker_svc.sampling.logits_processor import process_logits
+from worker_svc.sampling.logprobs import logprob_tensors
+from worker_svc.sampling.sampler import sample
+from worker_svc.step import kv_cache
+from worker_svc.step import runner as runner_module
+from worker_svc.step.probe_plans import PROFILE_LOGPROBS, heaviest_step, widest_decode_step
+from worker_svc.step.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

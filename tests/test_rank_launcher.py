@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmserve.rank_launcher import RankLauncher, rank_addresses
-from worker_svc.server import rank_device
+from worker_svc.service.server import rank_device
 
 
 def test_rank_addresses_follow_the_listen_address() -> None:

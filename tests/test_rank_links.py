@@ -11,8 +11,8 @@ import pytest
 
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.rank_links import RankLinks
-from scheduler_svc.worker_client import StepTiming, WorkerLost
+from scheduler_svc.workers.rank_links import RankLinks
+from scheduler_svc.workers.worker_client import StepTiming, WorkerLost
 from tests.plans import Feed, make_plan
 
 INFO = WorkerInfo("m", 100, 512, "float32", "cpu", 0, 3, 16, 64, 8)

@@ -20,16 +20,16 @@ from common.errors import Aborted, Cancelled, Unavailable
 from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.engine import Engine
-from scheduler_svc.replica import Replica
-from scheduler_svc.request import GenerationRequest, RequestOutput
-from scheduler_svc.router import Router
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
-from scheduler_svc.sequence_group import SequenceGroup
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import StepTiming, WorkerLost
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.replica import Replica
+from scheduler_svc.engine.request import GenerationRequest, RequestOutput
+from scheduler_svc.engine.router import Router
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.workers.worker_client import StepTiming, WorkerLost
 from tests.test_engine import FakeWorker, spec, tokenizer  # noqa: F401 (fixtures)
 from tests.test_scheduler import EOS, expected_output, fake_execute
 from tests.test_scheduler_memory import fake_execute as memory_fake_execute

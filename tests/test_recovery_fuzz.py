@@ -32,20 +32,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-import scheduler_svc.fleet as fleet_module
+import scheduler_svc.engine.fleet as fleet_module
 from common.config import SchedulerConfig
 from common.errors import Aborted, Cancelled, ResourceExhausted, Unavailable
 from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.engine import Engine
-from scheduler_svc.request import GenerationRequest, Limits, RequestOutput, sampling_params, stopping_params
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, Sequence
-from scheduler_svc.sequence_group import SequenceGroup
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import StepTiming, WorkerLost
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.request import GenerationRequest, Limits, RequestOutput, sampling_params, stopping_params
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import FinishReason, Sequence
+from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.workers.worker_client import StepTiming, WorkerLost
 from tests.test_engine import spec, tokenizer  # noqa: F401 (fixtures)
 from tests.test_scheduler_memory import VOCAB, FakeRows, _mix
 

@@ -20,7 +20,7 @@ from tests.conftest import REPO, Scheduler, collect, free_port, request, stop_sc
 
 async def registry_scheduler(model_dir: Path, **config: int) -> Scheduler:
     from common.pb.llmserve.v1 import generation_pb2_grpc
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     server = SchedulerServer(str(model_dir), "", ServerConfig(port=0), SchedulerConfig(**config), step_timeout=60.0)
     port = await server.start()
@@ -123,7 +123,7 @@ async def test_a_worker_with_another_block_size_is_refused_and_exits(tiny_model_
 
 
 def test_the_registry_refuses_a_block_size_unlike_the_serving_groups() -> None:
-    from scheduler_svc.registry import Registration, Registry
+    from scheduler_svc.workers.worker_registry import Registration, Registry
 
     joined: list[str] = []
     size = {"now": 0}

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import CacheConfig, WorkerConfig
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
-from worker_svc.runner import ModelRunner, PlanError
+from worker_svc.step.runner import ModelRunner, PlanError
 
 
 @pytest.fixture(scope="module")

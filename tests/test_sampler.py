@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker_svc.sampler import sample, uniform
+from worker_svc.sampling.sampler import sample, uniform
 
 
 def batch(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> dict[str, np.ndarray]:

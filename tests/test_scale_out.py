@@ -152,7 +152,7 @@ async def test_a_frozen_worker_fails_its_health_checks_and_its_requests_move(tin
     """SIGSTOP: the process neither dies nor closes its streams; only health checks notice."""
     from common.config import SchedulerConfig, ServerConfig
     from common.pb.llmserve.v1 import generation_pb2_grpc
-    from scheduler_svc.server import SchedulerServer
+    from scheduler_svc.api.server import SchedulerServer
 
     server = SchedulerServer(str(tiny_model_dir), "", ServerConfig(port=0), SchedulerConfig(), health_interval=0.5)
     port = await server.start()

@@ -14,12 +14,12 @@ import pytest
 
 from common.config import SchedulerConfig
 from common.plan import AdapterLoad, StepPlan, StepResult
-from scheduler_svc.adapters import Adapter
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.plan_builder import PlanBuilder
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import SamplingParams, Sequence, SequenceStatus, StoppingParams
-from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.lora.adapter_registry import Adapter
+from scheduler_svc.sched.plan_builder import PlanBuilder
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
 Key = tuple[str, int]
@@ -331,7 +331,7 @@ def test_a_reregistered_adapter_does_not_hit_its_predecessors_cache() -> None:
 
 
 def test_router_and_queue_estimates_use_the_adapters_chain() -> None:
-    from scheduler_svc.block_manager import extend_chain
+    from scheduler_svc.kv.block_manager import extend_chain
 
     salted: list[int] = []
     plain: list[int] = []

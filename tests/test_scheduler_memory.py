@@ -13,11 +13,11 @@ import pytest
 
 from common.config import SchedulerConfig
 from common.plan import StepPlan, StepResult
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.preemption import PreemptionMode, PreemptionPolicy
-from scheduler_svc.scheduler import Scheduler, TokenEvent
-from scheduler_svc.sequence import FinishReason, SamplingParams, Sequence, StoppingParams
-from scheduler_svc.sequence_group import SequenceGroup
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.preemption import PreemptionMode, PreemptionPolicy
+from scheduler_svc.sched.scheduler import Scheduler, TokenEvent
+from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, StoppingParams
+from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
 VOCAB = 50
@@ -412,7 +412,7 @@ def _scoring_worker(plan: StepPlan) -> StepResult:
     a fake model whose logits row for a position is [position, position + 1, ...]."""
     import torch
 
-    from worker_svc.logprobs import prompt_logprobs
+    from worker_svc.sampling.logprobs import prompt_logprobs
 
     result = fake_execute(plan)
     s = plan.sampling

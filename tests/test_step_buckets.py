@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker_svc.step_buckets import Buckets, gemm_buckets, graph_buckets, pad_rows
+from worker_svc.step.step_buckets import Buckets, gemm_buckets, graph_buckets, pad_rows
 
 
 def test_gemm_buckets() -> None:

@@ -27,12 +27,12 @@ from common.config import SchedulerConfig
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import SamplingBatch
-from scheduler_svc.grammar import GrammarCompiler, fill_masks
-from scheduler_svc.structured_output import StructuredOutput
+from scheduler_svc.text.grammar import GrammarCompiler, fill_masks
+from scheduler_svc.text.structured_output import StructuredOutput
 from tests.conftest import Scheduler, collect, request
 from tests.plans import Feed, make_plan
-from worker_svc.logits_processor import process_logits, processed_rows
-from worker_svc.sampler import sample
+from worker_svc.sampling.logits_processor import process_logits, processed_rows
+from worker_svc.sampling.sampler import sample
 
 # Strings are bounded (maxLength, enum, pattern): a random model inside a free string picks
 # a closing quote about once in the vocabulary's size.
@@ -394,8 +394,8 @@ def test_masks_apply_after_the_bias_and_only_to_their_rows() -> None:
 
 
 def test_masks_travel_through_both_wires_and_bad_ones_are_refused() -> None:
-    from scheduler_svc import wire as scheduler_wire
-    from worker_svc import wire as worker_wire
+    from scheduler_svc.api import generation_wire as scheduler_wire
+    from worker_svc.service import wire as worker_wire
 
     plan = make_plan(4, [Feed(1, [5, 6], 0, [0]), Feed(2, [7], 3, [1]), Feed(3, [8], 2, [2])])
     masks = _packed([[1, 2], [49154]], 49155)
@@ -460,7 +460,7 @@ def test_a_token_the_grammar_refuses_ends_the_output_without_showing_it(smollm2_
     """A mask that allows nothing (a grammar the vocabulary cannot spell) or a broken worker:
     the token is not appended and the event carries none, so no client sees it."""
     from common.plan import StepResult
-    from scheduler_svc.sequence import FinishReason
+    from scheduler_svc.sched.sequence import FinishReason
 
     s, seq = _scheduler_with_constrained_seq(smollm2_dir)
     plan = s.schedule()
@@ -472,11 +472,11 @@ def test_a_token_the_grammar_refuses_ends_the_output_without_showing_it(smollm2_
     s.check_integrity()
     # What reaches the caller: ABORTED saying why, then the end of the stream; no text.
     from common.errors import Aborted
-    from scheduler_svc.live_streams import LiveStreams
-    from scheduler_svc.metrics import SchedulerMetrics
-    from scheduler_svc.request_stream import RequestStream
-    from scheduler_svc.step_reporter import StepReporter
-    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.engine.live_streams import LiveStreams
+    from scheduler_svc.engine.metrics import SchedulerMetrics
+    from scheduler_svc.engine.request_stream import RequestStream
+    from scheduler_svc.engine.step_reporter import StepReporter
+    from scheduler_svc.text.tokenizer import Tokenizer
 
     assert seq.group is not None
     streams = LiveStreams()

@@ -2,7 +2,7 @@
 constrained requests stream, they move to the other group and are recomputed there, and each
 output still parses and validates with `jsonschema`.
 
-The matcher lives with the sequence (scheduler_svc/grammar.py), so a moved sequence resumes
+The matcher lives with the sequence (scheduler_svc/text/grammar.py), so a moved sequence resumes
 from where its grammar stood: a matcher started over, or one that missed or repeated a token,
 would turn the streamed text into something no schema accepts. The random-weight model writes
 nothing valid on its own, so every valid output is the grammar's doing.
@@ -18,7 +18,7 @@ import time
 import jsonschema
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.sched.sequence import FinishReason, Sequence
 from tests.conftest import Scheduler, collect
 from tests.test_scale_out import Worker, recovered, replica, two_groups  # noqa: F401 (fixture)
 from tests.test_structured_output import SCHEMAS, constrained

@@ -45,9 +45,9 @@ from transformers import (
 
 from common.config import CacheConfig, WorkerConfig
 from tests.plans import Feed, make_plan
-from worker_svc import loader
+from worker_svc.device.parallel import ParallelGroup
 from worker_svc.models.registry import build_model, model_shape
-from worker_svc.parallel import ParallelGroup
+from worker_svc.step import loader
 
 WORLD = 4
 BLOCK = 8
@@ -149,7 +149,7 @@ def save_checkpoint(path: Path, case: str, **overrides: Any) -> Path:
 
 def run_steps(model_dir: str, group: ParallelGroup, vocab: int, backend: str = "torch") -> torch.Tensor:
     """float32 logits [fed tokens of every step, vocab] of the fixed step sequence."""
-    from worker_svc.runner import ModelRunner
+    from worker_svc.step.runner import ModelRunner
 
     runner = ModelRunner(
         WorkerConfig(
@@ -418,7 +418,7 @@ def test_splittable_smollm2_shape_is_per_rank() -> None:
 
 
 def test_a_fused_checkpoint_tensor_fills_every_part_of_this_ranks_rows() -> None:
-    from worker_svc.tp_layers import QKVParallelLinear
+    from worker_svc.layers.tp_layers import QKVParallelLinear
 
     # 4 query heads and 2 KV heads of 3: rank 1 of 2 keeps query heads 2-3 and KV head 1.
     layer = QKVParallelLinear(5, 3, 4, 2, ParallelGroup(1, 2), dtype=torch.float32)

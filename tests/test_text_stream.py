@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.text_stream import TextStream
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.text_stream import TextStream
+from scheduler_svc.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

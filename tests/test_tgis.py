@@ -23,10 +23,10 @@ from common.pb.fmaas import generation_pb2 as tgis
 from common.pb.fmaas import generation_pb2_grpc as tgis_grpc
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from llmserve.cli import cache_root
-from scheduler_svc import tgis_wire
-from scheduler_svc.request import RequestOutput
-from scheduler_svc.sequence import FinishReason
-from scheduler_svc.structured_output import StructuredOutput
+from scheduler_svc.api import tgis_wire
+from scheduler_svc.engine.request import RequestOutput
+from scheduler_svc.sched.sequence import FinishReason
+from scheduler_svc.text.structured_output import StructuredOutput
 from tests.conftest import REPO, Scheduler, collect, request
 from tests.test_structured_output import PROMPT as GUIDED_PROMPT
 from tests.test_structured_output import SCHEMAS

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.config import SchedulerConfig, ServerConfig, TlsClientConfig, TlsConfig
+from common.grpc.tls import open_channel
 from common.pb.llmserve.v1 import generation_pb2_grpc
-from common.tls import open_channel
 from llmserve.cli import _client_tls_config, _parser, _server_config, _tls_config
-from scheduler_svc.server import SchedulerServer
+from scheduler_svc.api.server import SchedulerServer
 from tests.conftest import REPO, WorkerProcess, collect, request, start_worker
 
 EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]

@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from scheduler_svc import vllm_wire
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.kv_event_log import CacheCleared, KvBatch, KvEventLog
-from scheduler_svc.kv_events import BlockRemoved, BlockStored, KvEventQueue
+from scheduler_svc.api import vllm_wire
+from scheduler_svc.engine.kv_event_log import CacheCleared, KvBatch, KvEventLog
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.kv.kv_events import BlockRemoved, BlockStored, KvEventQueue
 from tests.conftest import Scheduler, WorkerProcess, collect, request
 from tests.test_structured_output import PROMPT as GUIDED_PROMPT
 from tests.test_structured_output import SCHEMAS

@@ -34,7 +34,7 @@ from common.plan import SamplingBatch, StepPlan
 from kernels import activation, fused_moe, kv_store, paged_attention, prefill_attention, rms_norm, rotary
 from kernels.checks import interpreting
 from tests.compile_kernels import worker_cases
-from worker_svc.runner import ModelRunner
+from worker_svc.step.runner import ModelRunner
 
 KERNELS = (
     paged_attention._decode_partial_kernel,

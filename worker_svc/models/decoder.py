@@ -18,14 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.attention import PagedAttentionBackend, TorchPagedAttention
-from worker_svc.cpu_attention import CpuPagedAttention
-from worker_svc.layers import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
-from worker_svc.models.shape import DEFAULT_ROPE, ModelShape, text_config
-from worker_svc.moe import FusedMoE
-from worker_svc.parallel import SINGLE, ParallelGroup
-from worker_svc.rotary import RotaryEmbedding
-from worker_svc.tp_layers import (
+from worker_svc.device.parallel import SINGLE, ParallelGroup
+from worker_svc.layers.attention import PagedAttentionBackend, TorchPagedAttention
+from worker_svc.layers.cpu_attention import CpuPagedAttention
+from worker_svc.layers.moe import FusedMoE
+from worker_svc.layers.replicated import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
+from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.tp_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -33,7 +32,8 @@ from worker_svc.tp_layers import (
     VocabParallelEmbedding,
     can_pack_for_cpu,
 )
-from worker_svc.triton_attention import TritonPagedAttention
+from worker_svc.layers.triton_attention import TritonPagedAttention
+from worker_svc.models.shape import DEFAULT_ROPE, ModelShape, text_config
 
 ATTENTION_BACKENDS = KERNELS
 Backend = PagedAttentionBackend
@@ -41,7 +41,7 @@ Backend = PagedAttentionBackend
 AttentionMetadata = Any
 
 # An expert's tensor in a checkpoint (Qwen3-MoE's names, or Mixtral's w1/w3/w2) and the part
-# it fills of the stacked expert weights (worker_svc/moe.py).
+# it fills of the stacked expert weights (worker_svc/layers/moe.py).
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 

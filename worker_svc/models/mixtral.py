@@ -1,5 +1,5 @@
 """Mixtral: Llama's attention (with a sliding window where the config has one) and a
-mixture-of-experts feed-forward on every layer (worker_svc/moe.py): top-k of
+mixture-of-experts feed-forward on every layer (worker_svc/layers/moe.py): top-k of
 `num_local_experts`, the chosen weights always renormalised. The checkpoint keeps the block
 as `block_sparse_moe` with experts' w1 (gate), w3 (up) and w2 (down)."""
 

@@ -1,6 +1,6 @@
 """Phi-3 and Phi-4 (`Phi3ForCausalLM`): Llama's layer, with q/k/v and gate/up already fused
 in the checkpoint (their loaders split them, see ColumnParallelLinear), LongRoPE (short and
-long frequencies, see worker_svc/rotary.py), a partial rotary factor (Phi-4-mini rotates
+long frequencies, see worker_svc/layers/rotary.py), a partial rotary factor (Phi-4-mini rotates
 three quarters of each head) and a sliding window on every layer where the config has one."""
 
 from __future__ import annotations

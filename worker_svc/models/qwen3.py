@@ -2,7 +2,7 @@
 head size of its own (not hidden / heads), sliding windows on the layers `layer_types` marks
 when `use_sliding_window` is set.
 
-Qwen3-MoE: the same attention; the feed-forward of layer i is the experts (worker_svc/moe.py)
+Qwen3-MoE: the same attention; the feed-forward of layer i is the experts (worker_svc/layers/moe.py)
 unless i is in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, where
 it is a dense MLP of `intermediate_size`. The top-k weights are renormalised with
 `norm_topk_prob`. No shared experts (Qwen2-MoE's) in this family."""

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from worker_svc.device.parallel import SINGLE, ParallelGroup
 from worker_svc.models import gemma, llama, mixtral, phi3, qwen3
 from worker_svc.models.decoder import CausalLM, DecoderLayer
 from worker_svc.models.shape import ModelShape, architecture
-from worker_svc.parallel import SINGLE, ParallelGroup
 
 
 @dataclass(frozen=True)

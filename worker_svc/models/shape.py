@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from worker_svc.parallel import ParallelGroup, check_splittable
-from worker_svc.tp_layers import kv_head_range
+from worker_svc.device.parallel import ParallelGroup, check_splittable
+from worker_svc.layers.tp_layers import kv_head_range
 
 # transformers' names of the feed-forward activations we run (gate_proj's output goes through
 # it, then times up_proj's).

@@ -1,0 +1,1 @@
+"""gRPC helpers both services use: the error interceptor, server metrics, TLS credentials, exclusive ports."""

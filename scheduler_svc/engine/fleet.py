@@ -1,0 +1,387 @@
+"""The worker groups the engine serves with: connecting to each, its loop, and recovery.
+
+Each worker group (`Replica`: one worker, or the ranks of a tensor-parallel group) has its own
+scheduler and block manager and a loop task that is the only code touching them:
+
+    while True:
+        apply queued adds and aborts          (handlers only append to the group's inbox)
+        plan = scheduler.schedule(); send it  (and the next one too, if it can be planned
+                                               before this one's result: two in flight)
+        result = await the oldest plan's result
+        events = scheduler.update(plan, result)
+        detokenize, match stop strings, stream to each request's queue
+
+A group is lost when its stream breaks, it misses the step deadline, it fails its health
+checks, or it deregisters. Its requests then move with their tokens to the other groups'
+queues and are computed again there; with no other group they fail. Groups come from
+--worker (redialled when lost) or from registration (`attach_group` / `detach_group`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from common.config import SchedulerConfig
+from common.errors import Aborted, Unavailable
+from common.model_spec import ModelSpec
+from common.plan import StepPlan
+from common.worker_info import WorkerInfo
+from scheduler_svc.engine.live_streams import LiveStreams
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.replica import CacheFlush, Replica
+from scheduler_svc.engine.request import Limits
+from scheduler_svc.engine.request_stream import RequestStream
+from scheduler_svc.engine.router import Router
+from scheduler_svc.engine.step_reporter import StepReporter
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.workers.worker_client import PipelinedLink, WorkerLink, WorkerLost
+
+log = structlog.get_logger(__name__)
+
+
+class Fleet:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: SchedulerConfig,
+        streams: LiveStreams,
+        metrics: SchedulerMetrics,
+        workers: list[WorkerLink],
+        worker_factory: Callable[[list[str]], WorkerLink] | None,
+        on_ready: Callable[[bool], Awaitable[None]] | None,
+        connect_timeout: float,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        # The engine's live requests by id; a request that ends or fails leaves it.
+        self._streams = streams
+        self.metrics = metrics
+        # Fixed worker groups (--worker), or none: then registered groups serve (see attach_group).
+        self._static = workers
+        self._worker_factory = worker_factory
+        # Every worker group known, connected or not, by name.
+        self._replicas: dict[str, Replica] = {}
+        self.router = Router(config)
+        self._reporter = StepReporter(metrics, streams)
+        self._on_ready = on_ready
+        self._ready_reported: bool | None = None
+        # Several group loops report readiness; one at a time, so health's two entries agree.
+        self._ready_lock = asyncio.Lock()
+        self._connect_timeout = connect_timeout
+        # Request limits follow the serving groups' context lengths.
+        self.limits = Limits.of(spec, config)
+        # One id space for every group's scheduler, so a request can move between them.
+        self.seq_ids = itertools.count()
+        self._stopping = False
+
+    @property
+    def serving(self) -> list[Replica]:
+        """The worker groups that are connected and serving."""
+        return [r for r in self._replicas.values() if r.ready]
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self._replicas.values())
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size every group must use: configured, else the serving groups' (0: any)."""
+        return self.config.block_size or next((r.accounting.block_manager.block_size for r in self.serving), 0)
+
+    def holds(self, replica: Replica) -> bool:
+        """Whether `replica` is the live group of its name (not one torn down or replaced)."""
+        return self._replicas.get(replica.name) is replica
+
+    def start(self) -> None:
+        for worker in self._static:
+            self._add_replica(worker.address, worker)
+
+    async def stop(self) -> None:
+        """End every group's loop and close its link (the engine has ended the requests)."""
+        # Registration answers until the server stops, which is after this: a group completing
+        # from now on must not start a loop that nothing would stop.
+        self._stopping = True
+        replicas = list(self._replicas.values())
+        for replica in replicas:
+            replica.attached = False
+            if replica.task is not None:
+                replica.task.cancel()
+        for replica in replicas:
+            if replica.task is not None:
+                try:
+                    await replica.task
+                except asyncio.CancelledError:
+                    pass
+        for replica in replicas:
+            await replica.worker.close()
+        self._replicas.clear()
+
+    def attach_group(self, name: str, addresses: list[str]) -> None:
+        """A registered group has all its ranks: connect to it and serve with it."""
+        if self._worker_factory is None or self._static or self._stopping:
+            return
+        current = self._replicas.get(name)
+        # A group that deregistered may still be tearing down under this name: the new
+        # registration replaces it (its teardown leaves a newer replica of the name alone).
+        if current is not None and current.attached:
+            return
+        self._add_replica(name, self._worker_factory(addresses))
+
+    def detach_group(self, name: str) -> None:
+        """A rank of a registered group left: the group is gone (its KV spans every rank)."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        replica.attached = False
+        # Breaking its stream makes a step in flight fail (WorkerLost) and the group's requests
+        # move; an idle loop is woken to notice.
+        asyncio.get_running_loop().create_task(replica.worker.close())
+        replica.wake.set()
+
+    def _add_replica(self, name: str, worker: WorkerLink) -> None:
+        replica = Replica(name, worker)
+        self._replicas[name] = replica
+        replica.task = asyncio.create_task(self._run(replica), name=f"engine:{name}")
+
+    async def _run(self, replica: Replica) -> None:
+        """Connect to the group and serve with it until it is lost; a --worker one is retried."""
+        try:
+            while replica.attached:
+                try:
+                    await self._serve(replica)
+                except Exception:  # noqa: BLE001
+                    # A bug (or a malformed worker) must neither end this task silently nor leave
+                    # requests waiting on a dead loop: fail the group's requests (its state is
+                    # suspect, so they are not moved), then start it over.
+                    log.exception("engine_failed", group=replica.name)
+                    groups, aborts = replica.evacuate()
+                    self._drop_aborted(aborts)
+                    for group in groups:
+                        self._fail_stream(group, "internal engine failure (see server logs)")
+                await replica.worker.close()
+                await self._refresh_ready()
+                if replica.attached:
+                    await asyncio.sleep(1.0)
+        finally:
+            if self.holds(replica):
+                del self._replicas[replica.name]
+            # However the task ended, nothing may stay queued on a group that no longer runs.
+            if replica.scheduler is not None or replica.inbox:
+                self._recover(replica)
+            await replica.worker.close()
+            await self._refresh_ready()
+
+    async def _serve(self, replica: Replica) -> None:
+        worker = replica.worker
+        try:
+            info = await worker.connect(self._connect_timeout)
+        except WorkerLost as error:
+            # Each attempt waits connect_timeout for the channel; then say so and try again.
+            log.warning(
+                "worker_unreachable", group=replica.name, address=worker.address, reason=str(error), retrying=True
+            )
+            return
+        problem = self._incompatibility(info)
+        if problem:
+            log.error("worker_refused", group=replica.name, address=worker.address, reason=problem)
+            await worker.close()
+            # A registered group that cannot serve this model is dropped; a --worker is retried.
+            if not self._static:
+                replica.attached = False
+            else:
+                await asyncio.sleep(4.0)
+            return
+        replica.info = info
+        replica.reported = (0, 0, 0, 0, 0)
+        replica.scheduler = Scheduler(
+            self.config,
+            BlockManager(
+                info.num_gpu_blocks,
+                info.block_size,
+                num_cpu_blocks=info.num_cpu_blocks,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            ),
+            max_model_len=min(self.spec.max_model_len, info.max_model_len),
+            eos_token_ids=self.spec.eos_token_ids,
+            block_bytes=info.block_bytes,
+            seq_ids=self.seq_ids,
+            num_lora_slots=info.max_loras if self.config.enable_lora else 0,
+        )
+        log.info(
+            "worker_ready",
+            group=replica.name,
+            address=worker.address,
+            device=info.device,
+            dtype=info.dtype,
+            num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
+            block_size=info.block_size,
+            max_model_len=replica.scheduler.max_model_len,
+            lora_slots=info.max_loras,
+        )
+        await self._refresh_ready()
+        try:
+            await self._loop(replica, replica.scheduler)
+        except WorkerLost as error:
+            log.error("worker_lost", group=replica.name, address=worker.address, reason=str(error))
+            self._recover(replica)
+
+    def _recover(self, lost: Replica) -> None:
+        """Move the lost group's requests, with their tokens, to the other groups' queues.
+
+        They are computed again there from their prompt and output so far; streams continue
+        where they were, since tokens are only appended once a step's result arrives and
+        sampling depends only on (seed, position). Without another group they fail.
+        """
+        groups, aborts = lost.evacuate()
+        self._drop_aborted(aborts)
+        targets = [r for r in self.serving if r is not lost]
+        moved = failed = 0
+        for group in groups:
+            stream = self._streams.of(group)
+            if stream is None:
+                continue
+            target = self.router.place_moved(targets, group)
+            if target is None:
+                self._fail_stream(group, "the worker was lost")
+                failed += 1
+                continue
+            stream.replica = target
+            target.post(group)
+            moved += 1
+        self.metrics.recovered.inc(moved)
+        if moved or failed:
+            log.warning("requests_recovered", group=lost.name, moved=moved, failed=failed, to=[t.name for t in targets])
+
+    def _fail_stream(self, group: SequenceGroup, what: str) -> None:
+        """End a request that lost its worker: ABORTED if it streamed tokens, else UNAVAILABLE."""
+        stream = self._streams.drop_group(group)
+        if stream is None:
+            return
+        # best_of > n and beams send nothing before the end: their client may simply retry.
+        n = stream.num_output_tokens if group.streams else 0
+        stream.fail(
+            Aborted(f"{what} after {n} tokens were streamed") if n else Unavailable(f"{what}; retry the request")
+        )
+
+    def _drop_aborted(self, aborts: list[RequestStream]) -> None:
+        for stream in aborts:
+            self._streams.drop(stream)
+
+    async def _refresh_ready(self) -> None:
+        """Tell health whether any group serves; limits follow the groups that do."""
+        ready = self.serving
+        if ready:
+            self.limits = Limits.of(self.spec, self.config, min(r.accounting.max_model_len for r in ready))
+        else:
+            # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
+            # gauges at their last values until a worker is back.
+            for gauge in (
+                self.metrics.running,
+                self.metrics.waiting,
+                self.metrics.swapped,
+                self.metrics.kv_usage,
+                self.metrics.cpu_usage,
+            ):
+                gauge.set(0)
+        for name in self.metrics.group_names() - {r.name for r in ready}:
+            self.metrics.remove_group(name)
+        if self._on_ready is None:
+            return
+        async with self._ready_lock:
+            serving = self.ready  # again: another loop may have changed it while this one waited
+            if self._ready_reported != serving:
+                self._ready_reported = serving
+                await self._on_ready(serving)
+
+    def _incompatibility(self, info: WorkerInfo) -> str | None:
+        if info.model_name != self.spec.name:
+            return f"worker serves model {info.model_name!r}, this scheduler serves {self.spec.name!r}"
+        if info.vocab_size != self.spec.vocab_size:
+            return f"worker vocabulary has {info.vocab_size} tokens, the model's config says {self.spec.vocab_size}"
+        if info.num_gpu_blocks <= 0:
+            return "worker reports no KV blocks"
+        if self.block_size and info.block_size != self.block_size:
+            return f"worker uses KV blocks of {info.block_size} tokens, this scheduler {self.block_size}; start it with --block-size {self.block_size}"
+        if self.config.enable_lora and not info.max_loras:
+            return "worker has no LoRA adapter slots and this scheduler serves adapters; start it with --enable-lora"
+        if self.config.enable_lora and info.max_lora_rank < self.config.max_lora_rank:
+            return (
+                f"worker's LoRA slots hold rank {info.max_lora_rank}, this scheduler accepts adapters up to rank "
+                f"{self.config.max_lora_rank}; start it with --max-lora-rank {self.config.max_lora_rank}"
+            )
+        return None
+
+    def _apply_inbox(self, replica: Replica, scheduler: Scheduler) -> None:
+        inbox, replica.inbox = replica.inbox, []
+        for i, item in enumerate(inbox):
+            try:
+                if isinstance(item, SequenceGroup):
+                    if self._streams.of(item) is not None:
+                        scheduler.add(item)
+                elif isinstance(item, CacheFlush):
+                    item.resolve(scheduler.block_manager.reset_prefix_cache())
+                elif self._streams.drop(item):
+                    scheduler.abort(item.group.group_id)
+                    log.info(
+                        "request_aborted",
+                        request_id=item.request_id,
+                        reason=item.abort_reason or "cancelled",
+                        completion_tokens=item.num_output_tokens,
+                        **item.trace,
+                    )
+            except Exception:
+                # What was not applied stays queued, so the failure path ends those requests too.
+                replica.inbox[:0] = inbox[i:]
+                raise
+
+    async def _loop(self, replica: Replica, scheduler: Scheduler) -> None:
+        worker = replica.worker
+        # A link that takes a plan before the last result (PipelinedLink) gets the next step as
+        # soon as the scheduler can plan it: the worker then goes from one step to the next
+        # without waiting for the scheduler. Others run one step at a time.
+        pipelined = worker if self.config.plan_ahead and isinstance(worker, PipelinedLink) else None
+        depth = 2 if pipelined is not None else 1
+        in_flight: deque[tuple[StepPlan, float]] = deque()  # plans sent, and their build seconds
+        while True:
+            if not replica.attached:
+                raise WorkerLost(f"group {replica.name} deregistered")
+            replica.wake.clear()
+            self._apply_inbox(replica, scheduler)
+            self._reporter.publish_gauges(replica, self.serving)
+            while len(in_flight) < depth:
+                build_start = time.perf_counter()
+                plan = scheduler.schedule() if scheduler.has_work else None
+                if plan is None:
+                    break
+                plan_build = time.perf_counter() - build_start
+                self._reporter.observe_admissions(scheduler)
+                if pipelined is not None:
+                    await pipelined.submit(plan)
+                in_flight.append((plan, plan_build))
+            if not in_flight:
+                await replica.wake.wait()
+                continue
+            plan, plan_build = in_flight.popleft()
+            with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
+                if pipelined is not None:
+                    result, timing = await pipelined.receive(plan)
+                else:
+                    result, timing = await worker.execute(plan)
+                update_start = time.perf_counter()
+                events = scheduler.update(plan, result)
+                self._reporter.emit(scheduler, events)
+                update = time.perf_counter() - update_start
+                # Sampled rows, not events: beam steps sample every beam but emit only at the end.
+                self._reporter.record(
+                    replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing
+                )
+                self._reporter.record_parts(result, timing, plan_build, update)

@@ -1,0 +1,98 @@
+"""Which worker group a request goes to: the one with the most room left after taking it.
+
+Only groups that can take it are candidates: the request must fit the group's whole KV cache
+(and, for a moved request, its context), and the group's queue must not be full.
+
+    room = free device blocks - blocks the group's queued requests will take
+           + blocks of this prompt its prefix cache already holds
+
+A prefix-cache hit counts as room because those blocks need not be computed or allocated
+again, so a request follows its prefix (a shared system prompt, a conversation's earlier
+turns) while that group is no busier than the others by more than the hit is worth; past
+that, load wins and the prefix is computed again elsewhere. Queued demand counts so that a
+burst of requests arriving between two steps spreads across groups instead of piling onto
+whichever looked emptiest before the burst. Ties go to the group running fewer requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.config import SchedulerConfig
+from common.errors import InvalidArgument, ResourceExhausted
+from scheduler_svc.engine.replica import Replica
+from scheduler_svc.kv.block_manager import extend_chain
+from scheduler_svc.sched.sequence_group import SequenceGroup
+
+
+class Router:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.enable_prefix_caching = config.enable_prefix_caching
+
+    def place(
+        self, ready: list[Replica], token_ids: Sequence[int], total: int, width: int, beam: bool, cache_salt: int = 0
+    ) -> Replica:
+        """The group a new request goes to, or the error saying why no group can take it.
+
+        `total` is the most tokens each of its `width` sequences may reach; `cache_salt` keys its
+        prefix-cache chain (a LoRA adapter's).
+        """
+        c = self.config
+        for name, limit in (("max_num_seqs", c.max_num_seqs), ("max_num_batched_tokens", c.max_num_batched_tokens)):
+            if width > limit:
+                field = "sampling.beam_width" if beam else "sampling.best_of"
+                raise InvalidArgument(
+                    field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})"
+                )
+        prompt = len(token_ids)
+        fit = [r for r in ready if r.accounting.can_ever_fit(prompt, total, width)]
+        if not fit:
+            biggest = max((r.accounting for r in ready), key=lambda s: s.block_manager.num_blocks)
+            bm = biggest.block_manager
+            raise ResourceExhausted(
+                f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "
+                f"{total} tokens), more than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size}); "
+                f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width"
+            )
+        target = self.pick([r for r in fit if r.num_queued < c.max_queue_len], token_ids, cache_salt)
+        if target is None:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({sum(r.num_queued for r in fit)} requests, --max-queue-len "
+                f"{c.max_queue_len} per worker group); retry later"
+            )
+        return target
+
+    def place_moved(self, targets: list[Replica], group: SequenceGroup) -> Replica | None:
+        """Where a lost group's request can continue exactly as it would have, if anywhere."""
+        return self.pick([r for r in targets if _fits(r, group)], group.seqs[0].token_ids, group.cache_salt)
+
+    def pick(self, candidates: list[Replica], token_ids: Sequence[int], cache_salt: int = 0) -> Replica | None:
+        """The best of `candidates` (each ready, and able to take the request) for these tokens."""
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        hashes: list[int] = []
+        if self.enable_prefix_caching:
+            block_size = candidates[0].accounting.block_manager.block_size
+            # As in BlockManager.prefix_hit: the last prompt token is always computed.
+            extend_chain(hashes, token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt)
+        return max(candidates, key=lambda r: self._room(r, hashes))
+
+    @staticmethod
+    def _room(replica: Replica, hashes: list[int]) -> tuple[int, int]:
+        sched = replica.scheduler
+        assert sched is not None
+        hit = sched.block_manager.cached_prefix_blocks(hashes) if hashes else 0
+        return (replica.free_capacity() + hit, -sched.num_running)
+
+
+def _fits(replica: Replica, group: SequenceGroup) -> bool:
+    sched = replica.scheduler
+    assert sched is not None
+    seq, context = group.seqs[0], sched.max_model_len
+    total = seq.num_prompt_tokens + seq.stopping.max_tokens if seq.stopping.max_tokens else context
+    # Groups may have shorter contexts than the lost one: a request must not be cut short
+    # there, nor its tokens so far fed past the end (the worker refuses such a step).
+    if total > context or any(s.num_tokens >= context for s in group.live()):
+        return False
+    return sched.can_ever_fit(seq.num_prompt_tokens, total, group.width)

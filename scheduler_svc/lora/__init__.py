@@ -1,0 +1,1 @@
+"""LoRA on the scheduler: which adapters may be named, and which sits in which worker slot."""

@@ -1,0 +1,247 @@
+"""Which sequences run in the next step, and how many tokens each feeds.
+
+Each step, under a token budget:
+
+  1. Running groups in line order feed what they lack (a prompt chunk, or 1 token per
+     sequence). When blocks run short, the group last in line is preempted (swap or
+     recompute, see `preemption.py`) until the current group fits, or it is the victim itself.
+  2. Unless step 1 preempted something, the heads of swapped and waiting are resumed or
+     admitted in line order (so a swapped group comes back before any later arrival), as long
+     as the budget, `max_num_seqs`, the free blocks above a watermark and the LoRA slots allow
+     (a group whose adapter has no slot waits until a slot's running groups all stop). New
+     prompts start from their longest prefix-cache hit (of their adapter's chain). Admission
+     stops at the first group that does not fit: nobody is overtaken, so nobody starves, and
+     no more than the worker's slot count of adapters ever share a step. Priority preemption
+     (3.) weighs blocks only: it never evicts for a slot.
+  3. Before either, a waiting or swapped group of strictly higher priority than the last
+     running one, that does not fit, preempts running groups of lower priority until it fits.
+     This runs first so that no group is preempted after its rows were planned: every
+     swap-out of a step then precedes every swap-in, the order the worker applies them in.
+
+Samples fork just before their last prompt token (each then draws its first token from its
+own logits row); beams sample all together or not at all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_svc.sched.sequence import Sequence, SequenceStatus
+from scheduler_svc.sched.sequence_group import SequenceGroup
+
+if TYPE_CHECKING:
+    from scheduler_svc.sched.scheduler import Scheduler
+
+
+class StepPlanner:
+    """Decides; the Scheduler owns the queues and counters and changes them through its own
+    verbs (`preempt`, `fork`, `resume`), which the planner calls. The planner writes only
+    block allocations and the sequences' progress of the step it plans."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.bm = scheduler.block_manager
+        self.watermark_blocks = int(scheduler.config.watermark * self.bm.num_blocks)
+
+    def pick(self) -> tuple[list[Sequence], list[int]]:
+        bm = self.bm
+        budget = self.s.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        query_lens: list[int] = []
+        self._preempt_for_priority(budget)
+        preempted = False
+        i = 0
+        running = self.s.running
+        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
+        while i < len(running) and budget > 0:
+            group = running[i]
+            if group.width == 1:
+                # Fast path, most rows of most steps: a decode whose token lands in a block the
+                # sequence already owns alone needs no allocation and no check (inlined: this
+                # runs for every decoding sequence of every step).
+                seq = group.seqs[0]
+                c = seq.num_computed_tokens
+                if len(seq.token_ids) + seq.pending - c == 1:
+                    table = tables[seq.seq_id]
+                    k = c // bs
+                    if k < len(table) and ref[table[k]] == 1:
+                        seqs.append(seq)
+                        query_lens.append(1)
+                        budget -= 1
+                        i += 1
+                        continue
+            rows = self._rows(group, budget)
+            need = self._blocks_needed(rows)
+            while need > bm.num_free_blocks:
+                victim = self.s.running[-1]
+                self.s.preempt(victim)
+                preempted = True
+                if victim is group:
+                    break
+            if group.status is not SequenceStatus.RUNNING:
+                break
+            budget -= self._take(rows, seqs, query_lens)
+            i += 1
+        # A step that had to preempt admits nothing, unless nothing else would run at all.
+        if not preempted or not seqs:
+            self._admit(budget, seqs, query_lens)
+        return seqs, query_lens
+
+    def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
+        """Allocate the rows' blocks and add them to the step; returns the tokens they feed."""
+        bm = self.bm
+        used = 0
+        for seq, q in rows:
+            bm.allocate(seq.seq_id, seq.num_computed_tokens + q, seq.num_computed_tokens)
+            seqs.append(seq)
+            query_lens.append(q)
+            used += q
+        return used
+
+    def _blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
+        """An upper bound: forks sharing one block count its copy once each."""
+        bm = self.bm
+        return sum(bm.blocks_needed(s.seq_id, s.num_computed_tokens + q, s.num_computed_tokens) for s, q in rows)
+
+    def _rows(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """What each of the group's sequences feeds this step, within `budget` tokens."""
+        if group.needs_fork and group.seqs[0].num_tokens - group.seqs[0].num_computed_tokens == 1:
+            self._fork_samples(group)
+        rows: list[tuple[Sequence, int]] = []
+        complete = True
+        live = group.live()
+        for seq in live:
+            if seq is not live[0] and not self.bm.has_table(seq.seq_id):
+                # Recomputing a forked group: the first sequence recomputes the shared prompt
+                # alone; the others then share its blocks and compute only their own tails.
+                if not self._share_leader_prefix(group, live[0], seq):
+                    complete = False
+                    continue
+            left = seq.num_tokens + seq.pending - seq.num_computed_tokens
+            q = min(left, budget)
+            if group.needs_fork:
+                q = min(q, left - 1)  # stop before the last prompt token: the fork happens there
+            complete = complete and q == left
+            if q > 0:
+                rows.append((seq, q))
+                budget -= q
+        if group.is_beam and not complete:
+            # Beams sample together or not at all: cap each below its last token until every
+            # beam's catch-up (after a recompute) fits one step.
+            capped = [(s, min(q, s.num_tokens - s.num_computed_tokens - 1)) for s, q in rows]
+            rows = [(s, q) for s, q in capped if q > 0]
+        return rows
+
+    def _share_leader_prefix(self, group: SequenceGroup, leader: Sequence, seq: Sequence) -> bool:
+        shared = group.shared_prompt_blocks(self.bm.block_size)
+        if leader.num_computed_tokens < shared * self.bm.block_size:
+            return False
+        self.bm.share_prefix(leader.seq_id, seq.seq_id, shared)
+        seq.num_computed_tokens = shared * self.bm.block_size
+        return True
+
+    def _fork_samples(self, group: SequenceGroup) -> None:
+        parent = group.seqs[0]
+        for index in range(1, group.sampling.best_of):
+            self.s.fork(parent, index, group.sampling.sample_seed(index))
+        group.forked = True
+
+    def head(self) -> SequenceGroup | None:
+        """The next group in line to resume or admit."""
+        w = self.s.waiting[0] if self.s.waiting else None
+        s = self.s.swapped[0] if self.s.swapped else None
+        if w is None or (s is not None and s.key < w.key):
+            return s
+        return w
+
+    def _admission_need(self, group: SequenceGroup, budget: int) -> int:
+        """Free blocks resuming or admitting `group` takes this step, at most."""
+        bm = self.bm
+        live = group.live()
+        if group.status is SequenceStatus.SWAPPED:
+            # Its blocks, plus what its rows of this step add (at least one per sequence, so
+            # its next tokens do not evict it again at once).
+            need = len(bm.unique_blocks([s.seq_id for s in live], host=True))
+            for seq in live:
+                q = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                need += max(1, bm.blocks_for(seq.num_computed_tokens + q) - len(bm.host_table(seq.seq_id)))
+            return need
+        need = 0
+        if len(live) > 1:
+            # A recomputed forked group: the others' own tails, beyond the shared prompt.
+            shared = group.shared_prompt_blocks(bm.block_size)
+            need += sum(bm.blocks_for(s.num_tokens) - shared for s in live[1:])
+            live = live[:1]
+        for seq in live:
+            hit = (
+                []
+                if seq.sampling.prompt_logprobs is not None
+                else bm.prefix_hit(seq.seq_id, seq.token_ids, group.cache_salt)
+            )
+            start = len(hit) * bm.block_size
+            left = seq.num_tokens - start
+            q = min(left, budget)
+            if group.needs_fork:
+                # Forking now: every sample may write its last prompt token into a block of its own.
+                q, extra = (1, group.sampling.best_of - 1) if left == 1 else (min(q, left - 1), 0)
+                need += extra
+            need += bm.admission_cost(hit, start + q)
+            budget -= q
+        return need
+
+    def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
+        if group.adapter is not None and not self.s.adapter_slots.can_acquire(group.adapter):
+            return False  # every LoRA slot runs another adapter: wait for one to go idle
+        return self._fits_blocks(group, budget, reserve)
+
+    def _fits_blocks(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
+        """Whether the group's sequences and blocks fit, whatever its LoRA slot."""
+        if self.s.running_slots + group.width > self.s.config.max_num_seqs:
+            return False
+        reserve += self.watermark_blocks if self.s.running else 0
+        return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
+
+    def running_need(self, budget: int | None = None) -> int:
+        """Blocks the running groups take this step, at most (read-only, unlike `_rows`)."""
+        bm = self.bm
+        budget = self.s.config.max_num_batched_tokens if budget is None else budget
+        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
+        need = 0
+        for group in self.s.running:
+            if group.width == 1:
+                # pick()'s fast path: a decode into a block the sequence owns alone takes none.
+                seq = group.seqs[0]
+                c = seq.num_computed_tokens
+                if len(seq.token_ids) + seq.pending - c == 1:
+                    table = tables[seq.seq_id]
+                    k = c // bs
+                    if k < len(table) and ref[table[k]] == 1:
+                        continue
+            for seq in group.live():
+                c = seq.num_computed_tokens
+                q = min(seq.num_tokens + seq.pending - c, budget)
+                need += bm.blocks_needed(seq.seq_id, c + q, c)
+        return need
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        head = self.head()
+        while (
+            head is not None
+            and self.s.running
+            and self.s.running[-1].priority > head.priority
+            # Blocks only: a head short of a LoRA slot waits for one (see the module docstring).
+            and not self._fits_blocks(head, budget, reserve=self.running_need(budget))
+        ):
+            self.s.preempt(self.s.running[-1])
+
+    def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int]) -> None:
+        bm = self.bm
+        while budget > 0:
+            group = self.head()
+            if group is None or group.preempted_step == self.s.next_step_id or not self._fits(group, budget):
+                # A group that gave its blocks back in this step does not take them back in it.
+                return
+            self.s.resume(group)
+            rows = self._rows(group, budget)
+            if self._blocks_needed(rows) <= bm.num_free_blocks:
+                budget -= self._take(rows, seqs, query_lens)

@@ -1,0 +1,1 @@
+"""Text: tokenizer, chat template, incremental detokenizer with stop strings, structured-output grammars."""

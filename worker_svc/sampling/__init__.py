@@ -1,0 +1,1 @@
+"""Sampling from logits: processors (penalties, bias, masks), seeded sampling, log-probabilities."""

@@ -1,0 +1,135 @@
+"""The worker service process: load the model, allocate the KV cache, then serve steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from concurrent.futures import Executor
+from pathlib import Path
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import TlsConfig, WorkerConfig
+from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
+from common.grpc.tls import tls_mode
+from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.device.parallel import init_group
+from worker_svc.service.metrics import WorkerMetrics
+from worker_svc.service.registration import Registrar, RegistrationRefused
+from worker_svc.service.servicer import WorkerServicer
+from worker_svc.step.loader import resolve_device
+from worker_svc.step.runner import ModelRunner
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    EXCLUSIVE,
+]
+
+
+class WorkerServer:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        address: str,
+        grace_seconds: float = 5.0,
+        tls: TlsConfig | None = None,
+        reflection: bool = True,
+        metrics_port: int = 0,
+        registrar: Registrar | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        self.address = address
+        self.grace_seconds = grace_seconds
+        self.tls = tls
+        self.reflection = reflection
+        # A taken port is refused now, not after the model has loaded.
+        check_free(address, "--listen")
+        # Loading comes first: the port opens only when the worker can answer the handshake,
+        # so a scheduler waiting on the channel never sees a half-ready worker.
+        device = rank_device(resolve_device(config.device), config.rank, config.world_size)
+        group = init_group(config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout)
+        self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
+        self.metrics_port = metrics_port
+        self.registrar = registrar
+        self._registration: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        self.metrics = WorkerMetrics(Path(config.model).name, config.rank)
+        self.metrics.gpu_blocks.set(self.runner.kv.num_blocks)
+        self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
+        # Steps run on `executor` (the process's main thread, see worker_svc/service/main_thread.py).
+        self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics, executor)
+        self.port = 0
+
+    async def start(self) -> int:
+        # gRPC aio objects belong to the running event loop, so they are made here.
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=OPTIONS, interceptors=[self.metrics.grpc])
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
+        # Metrics listen on the same interface as the service (loopback for a unix socket).
+        host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
+        if self.metrics_port:
+            check_free(f"{host}:{self.metrics_port}", "--metrics-port")
+        self.port = bind(self.server, self.address, self.tls, "--listen")
+        await self.server.start()
+        if self.metrics_port:
+            serve_http(self.metrics.serve, self.metrics_port, host, "--metrics-port")
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.registrar is not None:
+            self._registration = asyncio.get_running_loop().create_task(self._stay_registered(self.registrar))
+        log.info(
+            "worker_listening",
+            address=self.address,
+            port=self.port,
+            tls=tls_mode(self.tls),
+            reflection=self.reflection,
+        )
+        return self.port
+
+    async def _stay_registered(self, registrar: Registrar) -> None:
+        try:
+            await registrar.run()
+        except RegistrationRefused as error:
+            log.error("registration_refused", scheduler=registrar.scheduler, reason=str(error))
+            self.exit_code = 2
+            os.kill(os.getpid(), signal.SIGTERM)  # stop like on SIGTERM, then exit with the code
+
+    async def stop(self) -> None:
+        if self._registration is not None:
+            # Deregister first: the scheduler stops sending steps before the port closes.
+            self._registration.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._registration
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.grace_seconds)
+        self.servicer.shutdown()
+        log.info("worker_stopped")
+
+
+def rank_device(device: torch.device, rank: int, world_size: int) -> torch.device:
+    """One GPU per rank: with --device cuda:k, rank r of a group runs on cuda:(k + r)."""
+    if device.type != "cuda" or world_size == 1:
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {rank} of {world_size} would run on cuda:{index}, but {torch.cuda.device_count()} GPUs are visible"
+        )
+    return torch.device("cuda", index)
