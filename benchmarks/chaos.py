@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logsetup.configure("info")
     if args.model is None:
-        from llmserve.cli import cache_root
+        from llmserve.cli.configs import cache_root
         from llmserve.model_prep import prepare_default_model
 
         model = str(prepare_default_model(cache_root()))

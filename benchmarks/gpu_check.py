@@ -202,7 +202,7 @@ def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke
     from common.config import CacheConfig, SchedulerConfig, WorkerConfig
     from scheduler_svc.kv.block_manager import BlockManager
     from scheduler_svc.sched.scheduler import Scheduler
-    from scheduler_svc.sched.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.sched.sequence import SamplingOptions, Sequence, StoppingParams
     from scheduler_svc.sched.sequence_group import SequenceGroup
     from worker_svc.step.runner import ModelRunner
 
@@ -232,7 +232,7 @@ def bench_e2e(model_dir: str, shape: dict[str, Any], device: torch.device, smoke
                 i,
                 str(i),
                 rng.integers(10, shape["vocab_size"], 16 + 8 * i).tolist(),
-                SamplingParams(),
+                SamplingOptions(),
                 StoppingParams(max_tokens=steps),
                 arrival=i,
             )

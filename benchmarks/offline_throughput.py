@@ -75,7 +75,7 @@ def run_offline(args: argparse.Namespace, workload: bench.Workload, model_dir: P
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     bench.logsetup.configure()
-    from llmserve.cli import cache_root
+    from llmserve.cli.configs import cache_root
     from llmserve.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model(cache_root())

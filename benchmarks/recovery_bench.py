@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     logsetup.configure("info")
     model = args.model
     if model is None:
-        from llmserve.cli import cache_root
+        from llmserve.cli.configs import cache_root
         from llmserve.model_prep import prepare_default_model
 
         model = str(prepare_default_model(cache_root()))

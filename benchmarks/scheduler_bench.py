@@ -4,9 +4,9 @@ A fake worker answers every plan at once with tokens that are a pure function of
 and position, so the only work timed is the scheduler's own, per step:
 
     schedule  Scheduler.schedule(): choosing the step, then build_plan (also reported alone)
-    encode    scheduler_svc.api.generation_wire.step_plan(plan).SerializeToString()
-    decode    worker_pb2.StepResult.FromString + scheduler_svc.api.generation_wire.step_result
-              (the worker's bytes are made, by worker_svc.service.wire, outside the clock)
+    encode    common.worker_wire.encode_plan(plan).SerializeToString()
+    decode    worker_pb2.StepResult.FromString + common.worker_wire.decode_result
+              (the worker's bytes are made, by common.worker_wire.encode_result, outside the clock)
     update    Scheduler.update(plan, result)
 
 Times are CPU time of this process (time.process_time_ns), so other load on the machine does
@@ -57,21 +57,21 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the packages importa
     sys.path.insert(0, str(REPO_ROOT))
 
 from common import log as logsetup  # noqa: E402
+from common import worker_wire  # noqa: E402
 from common.config import SchedulerConfig  # noqa: E402
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb  # noqa: E402
 from common.plan import StepPlan, StepResult  # noqa: E402
-from scheduler_svc.api import generation_wire as scheduler_wire  # noqa: E402
 from scheduler_svc.kv.block_manager import BlockManager  # noqa: E402
 from scheduler_svc.sched.plan_builder import PlanBuilder  # noqa: E402
-from scheduler_svc.sched.scheduler import Scheduler, TokenEvent  # noqa: E402
+from scheduler_svc.sched.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.sched.sequence import (  # noqa: E402
     FinishReason,
-    SamplingParams,
+    SamplingOptions,
     Sequence,
     StoppingParams,
 )
 from scheduler_svc.sched.sequence_group import SequenceGroup  # noqa: E402
-from worker_svc.service import wire as worker_wire  # noqa: E402
+from scheduler_svc.sched.token_events import TokenEvent  # noqa: E402
 
 log = structlog.get_logger("benchmark")
 
@@ -125,10 +125,10 @@ def requests(
 def make_group(sched: Scheduler, index: int, request: Request) -> SequenceGroup:
     request_id = f"bench-{index}"
     seq = Sequence(
-        seq_id=sched.new_seq_id(),
+        seq_id=sched.queues.new_seq_id(),
         request_id=request_id,
         prompt_token_ids=request.prompt,
-        sampling=SamplingParams(seed=index),
+        sampling=SamplingOptions(seed=index),
         stopping=StoppingParams(max_tokens=request.max_tokens, ignore_eos=True),
         arrival=index,
     )
@@ -140,7 +140,7 @@ def make_scheduler(args: argparse.Namespace, max_tokens: int) -> Scheduler:
     blocks_per_slot = -(-(PROMPT_LEN[1] + max_tokens) // BLOCK_SIZE) + SPARE_BLOCKS_PER_SLOT
     num_blocks = args.max_running * blocks_per_slot
     config = SchedulerConfig(max_num_seqs=args.max_running, max_num_batched_tokens=args.max_num_batched_tokens)
-    bm = BlockManager(num_blocks, BLOCK_SIZE, num_cpu_blocks=num_blocks // 4, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks, BLOCK_SIZE, num_host_blocks=num_blocks // 4, enable_prefix_caching=True)
     return Scheduler(
         config, bm, max_model_len=PROMPT_LEN[1] + max_tokens + 1, eos_token_ids=EOS_TOKEN_IDS, block_bytes=BLOCK_BYTES
     )
@@ -157,7 +157,7 @@ def fake_token(seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def fake_worker(plan_bytes: bytes) -> bytes:
     """Decode and check the plan as a worker would, answer at once, encode the result."""
-    plan = worker_wire.step_plan(worker_pb.StepPlan.FromString(plan_bytes))
+    plan = worker_wire.decode_plan(worker_pb.StepPlan.FromString(plan_bytes))
     plan.validate()
     sample = plan.sample.astype(bool)
     # The sampled token takes the position right after the tokens fed: context + query.
@@ -167,7 +167,7 @@ def fake_worker(plan_bytes: bytes) -> bytes:
         sampled_token_ids=np.where(sample, tokens, -1).astype(np.int32),
         logprobs=np.where(sample, -1.0, np.nan).astype(np.float32),
     )
-    return worker_wire.step_result(result).SerializeToString()
+    return worker_wire.encode_result(result).SerializeToString()
 
 
 # ---- one timed step ----
@@ -221,11 +221,11 @@ def timed_step(sched: Scheduler, times: StepTimes, build: BuildTimer) -> tuple[S
     t1 = clock()
     if plan is None:
         return None
-    plan_bytes = scheduler_wire.step_plan(plan).SerializeToString()
+    plan_bytes = worker_wire.encode_plan(plan).SerializeToString()
     t2 = clock()
     result_bytes = fake_worker(plan_bytes)  # the worker's side: not the scheduler's time
     t3 = clock()
-    result = scheduler_wire.step_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs)
+    result = worker_wire.decode_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs)
     t4 = clock()
     events = sched.update(plan, result)
     t5 = clock()
@@ -280,20 +280,20 @@ def integrity(sched: Scheduler) -> dict[str, Any]:
     report: dict[str, Any] = {
         "num_blocks": bm.num_blocks,
         "free_blocks": bm.num_free_blocks,
-        "cached_blocks": bm.gpu.num_cached,
-        "host_blocks": bm.cpu.num_blocks,
-        "host_free_blocks": bm.cpu.num_free,
+        "cached_blocks": bm.device.num_cached,
+        "host_blocks": bm.host.num_blocks,
+        "host_free_blocks": bm.host.num_free,
         "error": None,
     }
     try:
         sched.check_integrity()
         if sched.has_work:
-            raise AssertionError(f"{len(sched._groups)} groups still scheduled")
-        if bm.num_free_blocks != bm.num_blocks or bm.cpu.num_free != bm.cpu.num_blocks:
+            raise AssertionError(f"{len(sched.queues.groups)} groups still scheduled")
+        if bm.num_free_blocks != bm.num_blocks or bm.host.num_free != bm.host.num_blocks:
             raise AssertionError("blocks are still in use")
     except AssertionError as e:
         report["error"] = str(e)
-    report["all_free"] = bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
+    report["all_free"] = bm.num_free_blocks == bm.num_blocks and bm.host.num_free == bm.host.num_blocks
     report["ok"] = report["error"] is None
     return report
 
@@ -392,10 +392,10 @@ def _fill_for_decode(sched: Scheduler, prompts: list[list[int]], max_tokens: int
         plan = sched.schedule()
         if plan is None:
             raise RuntimeError("nothing to run while filling")
-        result_bytes = fake_worker(scheduler_wire.step_plan(plan).SerializeToString())
-        sched.update(plan, scheduler_wire.step_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs))
+        result_bytes = fake_worker(worker_wire.encode_plan(plan).SerializeToString())
+        sched.update(plan, worker_wire.decode_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs))
         if sched.num_running == len(prompts) and all(
-            s.num_tokens - s.num_computed_tokens == 1 for g in sched.running for s in g.seqs
+            s.num_tokens - s.num_computed_tokens == 1 for g in sched.queues.running for s in g.seqs
         ):
             return
     raise RuntimeError("the sequences did not all reach decoding")
@@ -432,7 +432,7 @@ def run_pure_decode(args: argparse.Namespace) -> tuple[dict[str, Any], str | Non
     with build.installed():
         _decode_loop(args, sched, PURE_DECODE_WARMUP_STEPS, StepTimes(), build)
         _decode_loop(args, sched, args.decode_steps, times, build)
-    context = [s.num_tokens for g in sched.running for s in g.seqs]  # after the last timed step
+    context = [s.num_tokens for g in sched.queues.running for s in g.seqs]  # after the last timed step
     profile_text = None
     if args.profile:
         # A second loop, apart from the timed one: the profiler would inflate its numbers.

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve_standin(args))
         return
     from common import log as logsetup
-    from llmserve.cli import cache_root
+    from llmserve.cli.configs import cache_root
     from llmserve.model_prep import prepare_default_model
 
     logsetup.configure()

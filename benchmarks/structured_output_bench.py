@@ -17,8 +17,8 @@ token. Timed per step, as scheduler_bench does, in CPU time of this process
     schedule    Scheduler.schedule(): choosing the step, then build_plan (also reported alone),
                 whose mask fill (grammar.fill_masks: xgrammar's threads fill the rows) is
                 reported alone too
-    encode      scheduler_svc.api.generation_wire.step_plan(plan).SerializeToString()
-    decode      worker_pb2.StepResult.FromString + scheduler_svc.api.generation_wire.step_result
+    encode      common.worker_wire.encode_plan(plan).SerializeToString()
+    decode      worker_pb2.StepResult.FromString + common.worker_wire.decode_result
     update      Scheduler.update(plan, result): for a constrained row, accept_token and the
                 grammar's end check
 
@@ -74,17 +74,17 @@ from benchmarks.scheduler_bench import (  # noqa: E402
     timer_overhead_us,
 )
 from common import log as logsetup  # noqa: E402
+from common import worker_wire  # noqa: E402
 from common.config import SchedulerConfig  # noqa: E402
 from common.model_spec import ModelSpec  # noqa: E402
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb  # noqa: E402
 from common.plan import StepPlan, StepResult  # noqa: E402
-from scheduler_svc.api import generation_wire as scheduler_wire  # noqa: E402
 from scheduler_svc.sched import plan_builder  # noqa: E402
 from scheduler_svc.sched.plan_builder import PlanBuilder  # noqa: E402
-from scheduler_svc.sched.scheduler import Scheduler, TokenEvent  # noqa: E402
+from scheduler_svc.sched.scheduler import Scheduler  # noqa: E402
+from scheduler_svc.sched.token_events import TokenEvent  # noqa: E402
 from scheduler_svc.text.grammar import GrammarCompiler  # noqa: E402
 from scheduler_svc.text.structured_output import StructuredOutput  # noqa: E402
-from worker_svc.service import wire as worker_wire  # noqa: E402
 
 log = structlog.get_logger("benchmark")
 
@@ -135,7 +135,7 @@ class FakeWorker:
     allowed: list[int] = field(default_factory=list)  # per constrained row answered
 
     def __call__(self, plan_bytes: bytes) -> bytes:
-        plan = worker_wire.step_plan(worker_pb.StepPlan.FromString(plan_bytes))
+        plan = worker_wire.decode_plan(worker_pb.StepPlan.FromString(plan_bytes))
         plan.validate()
         sample = plan.sample.astype(bool)
         positions = plan.context_lens + plan.query_lens  # the sampled token's position
@@ -151,7 +151,7 @@ class FakeWorker:
             sampled_token_ids=np.where(sample, tokens, -1).astype(np.int32),
             logprobs=np.where(sample, -1.0, np.nan).astype(np.float32),
         )
-        return worker_wire.step_result(result).SerializeToString()
+        return worker_wire.encode_result(result).SerializeToString()
 
 
 # ---- timing ----
@@ -224,11 +224,11 @@ def timed_step(
     c1, w1 = cpu(), wall()
     if plan is None:
         return None
-    plan_bytes = scheduler_wire.step_plan(plan).SerializeToString()
+    plan_bytes = worker_wire.encode_plan(plan).SerializeToString()
     c2, w2 = cpu(), wall()
     result_bytes = worker(plan_bytes)  # the worker's side: not the scheduler's time
     c3, w3 = cpu(), wall()
-    result = scheduler_wire.step_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs)
+    result = worker_wire.decode_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs)
     c4, w4 = cpu(), wall()
     events = sched.update(plan, result)
     c5, w5 = cpu(), wall()
@@ -266,8 +266,8 @@ def _step(sched: Scheduler, worker: FakeWorker) -> list[TokenEvent]:
     plan = sched.schedule()
     if plan is None:
         raise RuntimeError("nothing to run while filling")
-    result_bytes = worker(scheduler_wire.step_plan(plan).SerializeToString())
-    return sched.update(plan, scheduler_wire.step_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs))
+    result_bytes = worker(worker_wire.encode_plan(plan).SerializeToString())
+    return sched.update(plan, worker_wire.decode_result(worker_pb.StepResult.FromString(result_bytes), plan.num_seqs))
 
 
 def _check_decode_step(step: tuple[StepPlan, list[TokenEvent]] | None, n: int, constrained: bool) -> None:
@@ -305,7 +305,7 @@ def run(
         if any(e.finish_reason for e in _step(sched, worker)):
             raise RuntimeError("a sequence ended while filling")
         if sched.num_running == n and all(
-            s.num_tokens - s.num_computed_tokens == 1 for g in sched.running for s in g.seqs
+            s.num_tokens - s.num_computed_tokens == 1 for g in sched.queues.running for s in g.seqs
         ):
             break
     else:
@@ -318,7 +318,7 @@ def run(
         worker.allowed.clear()
         for _ in tqdm(range(steps), desc=label, unit="step", file=sys.stderr, leave=False):
             _check_decode_step(timed_step(sched, worker, times, timers), n, compiler is not None)
-    outputs = [s.num_output_tokens for g in sched.running for s in g.seqs]
+    outputs = [s.num_output_tokens for g in sched.queues.running for s in g.seqs]
     sched.abort_all()
     summary = summarize(times)
     log.info(
@@ -396,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logsetup.configure()
-    from llmserve.cli import cache_root
+    from llmserve.cli.configs import cache_root
     from llmserve.model_prep import prepare_default_model
 
     model_dir = prepare_default_model(cache_root())

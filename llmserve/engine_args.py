@@ -2,9 +2,9 @@
 by the command's own parser.
 
 Going through the parser keeps one definition of each option (its flag, type, choices and
-default) for the command and the offline API alike, and `llmserve.cli` builds and checks the
-configurations from the result exactly as `llmserve up` does. A keyword is a flag's
-destination: `max_num_seqs=64` is `--max-num-seqs 64`, `enforce_eager=True` is
+default) for the command and the offline API alike, and `llmserve.cli.configs` builds and
+checks the configurations from the result exactly as `llmserve up` does. A keyword is a
+flag's destination: `max_num_seqs=64` is `--max-num-seqs 64`, `enforce_eager=True` is
 `--enforce-eager`, `plan_ahead=False` is `--no-plan-ahead`.
 """
 
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import SchedulerConfig
-from llmserve import cli
+from llmserve.cli import configs
+from llmserve.cli.flags import add_scheduler_flags, add_worker_flags
+from llmserve.cli.parser import build_parser
 
 # `up`'s options besides the scheduler's and the worker's; the others (ports, TLS, the
 # gateway) concern what the offline API does not run.
@@ -27,18 +29,18 @@ _ENGINE_EXTRAS = ("workers",)
 @dataclass(frozen=True)
 class EngineArgs:
     model: str  # the model directory (resolved: the default model is prepared if none was given)
-    flags: argparse.Namespace  # the parsed `up` command line, what llmserve.cli's helpers take
+    flags: argparse.Namespace  # the parsed `up` command line, what llmserve.cli.configs' functions take
     scheduler: SchedulerConfig
 
 
 def _up_options() -> dict[str, argparse.Action]:
     """The engine's options of the `up` subcommand (scheduler, worker, workers), by destination."""
     engine = argparse.ArgumentParser(add_help=False)
-    cli._add_scheduler_flags(engine)
-    cli._add_worker_flags(engine)
+    add_scheduler_flags(engine)
+    add_worker_flags(engine)
     # argparse has no public way to list a parser's options or reach a subcommand's parser.
     names = {a.dest for a in engine._actions} | set(_ENGINE_EXTRAS)
-    subcommands = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {a.dest: a for a in subcommands.choices["up"]._actions if a.dest in names}
 
 
@@ -67,12 +69,12 @@ def engine_args(model: str | None, log_level: str, options: dict[str, Any]) -> E
         elif value is not None:  # None keeps the default
             argv += [flag, str(value)]
     flags = _parse(argv, known)
-    resolved = cli._model_dir(model)
-    cli._worker_config(flags, resolved)  # checks the worker options as `up` does before starting anything
-    cli._check_tp(resolved, flags.tp)
+    resolved = configs.model_dir(model)
+    configs.worker_config(flags, resolved)  # checks the worker options as `up` does before starting anything
+    configs.check_tp(resolved, flags.tp)
     if flags.workers < 1:
         raise ValueError(f"workers: must be at least 1, got {flags.workers}")
-    return EngineArgs(model=resolved, flags=flags, scheduler=cli._scheduler_config(flags))
+    return EngineArgs(model=resolved, flags=flags, scheduler=configs.scheduler_config(flags))
 
 
 def _parse(argv: list[str], known: dict[str, argparse.Action]) -> argparse.Namespace:
@@ -81,7 +83,7 @@ def _parse(argv: list[str], known: dict[str, argparse.Action]) -> argparse.Names
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return cli._parser().parse_args(argv)
+            return build_parser().parse_args(argv)
     except SystemExit:
         message = stderr.getvalue().strip().splitlines()[-1].partition("error: ")[2]
         flags = {"log_level": "--log-level", **{name: "/".join(a.option_strings) for name, a in known.items()}}

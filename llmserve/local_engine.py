@@ -1,10 +1,10 @@
 """The engine of one offline `LLM`: its worker processes, and the scheduler's engine running on
 an event loop in a thread of its own.
 
-It is `llmserve up` without the public port: the same worker command lines (llmserve.cli),
-on unix sockets in a private mkdtemp directory, supervised and restarted the same way, and
-the same `Engine` the scheduler service serves, called directly instead of through gRPC.
-Nothing listens on TCP.
+It is `llmserve up` without the public port: the same worker command lines
+(llmserve/cli/worker.py), on unix sockets in a private mkdtemp directory, supervised and
+restarted the same way, and the same `Engine` the scheduler service serves, called directly
+instead of through gRPC. Nothing listens on TCP.
 
 The workers are started from the engine's thread, not the caller's: a worker asks the kernel
 for SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), and this thread lives
@@ -25,7 +25,8 @@ import structlog
 
 from common.errors import InvalidArgument, LlmserveError, NotFound, Unimplemented
 from common.model_spec import ModelSpec
-from llmserve import cli
+from llmserve.cli.up import gpu_share
+from llmserve.cli.worker import worker_args
 from llmserve.engine_args import EngineArgs
 from llmserve.rank_launcher import rank_addresses
 from llmserve.supervisor import Supervised
@@ -90,7 +91,7 @@ class LocalEngine:
         for i in range(a.workers):
             address = f"unix://{self.sockdir}/worker-{i}.sock"
             cmd = [
-                *cli._worker_args(a, args.model),
+                *worker_args(a, args.model),
                 "--listen",
                 address,
                 "--parent-pid",
@@ -100,7 +101,7 @@ class LocalEngine:
             ]
             # A session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
             # interrupts the caller's generate, not the worker, which keeps serving the next call.
-            worker = Supervised(cmd, env=cli._gpu_share(i, a.tp, a.workers), own_session=True)
+            worker = Supervised(cmd, env=gpu_share(i, a.tp, a.workers), own_session=True)
             worker.start()
             self.workers.append(worker)
             ranks = rank_addresses(address, a.tp)

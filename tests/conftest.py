@@ -56,7 +56,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from llmserve.cli import cache_root
+    from llmserve.cli.configs import cache_root
     from llmserve.model_prep import prepare_default_model
 
     return prepare_default_model(cache_root())
@@ -196,7 +196,7 @@ def _replica_idle(replica) -> bool:  # type: ignore[no-untyped-def]
         not sched.has_work
         and not replica.inbox
         and bm.num_free_blocks == bm.num_blocks
-        and bm.cpu.num_free == bm.cpu.num_blocks
+        and bm.host.num_free == bm.host.num_blocks
     )
 
 

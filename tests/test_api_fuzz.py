@@ -34,7 +34,7 @@ from tests.proto_strategies import messages
 EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "20"))
 CALL_TIMEOUT = 3.0
 
-# What a client may see from any public method (README, "Errors").
+# What a client may see from any public method (docs/api.md, "Errors").
 DOCUMENTED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -38,7 +38,7 @@ def ops(bm: BlockManager) -> tuple[list[list[int]], list[list[int]], list[list[i
 
 
 def refs(bm: BlockManager, blocks: list[int]) -> list[int]:
-    return [bm.gpu.ref[b] for b in blocks]
+    return [bm.device.ref[b] for b in blocks]
 
 
 def admit(bm: BlockManager, seq_id: int, tokens: list[int]) -> list[int]:
@@ -71,7 +71,7 @@ def test_allocate_takes_ids_in_order_and_grows_by_whole_blocks() -> None:
     bm.allocate(seq_id=1, num_tokens=3)  # never shrinks
     assert bm.block_table(1) == [0, 1, 3]
     assert bm.num_free_blocks == 4 and bm.num_used_blocks == 4
-    assert bm.gpu.free_order() == [4, 5, 6, 7]
+    assert bm.device.free_order() == [4, 5, 6, 7]
     bm.check_integrity()
 
 
@@ -87,13 +87,13 @@ def test_can_allocate_counts_missing_blocks_and_the_reserve() -> None:
 def test_refused_allocation_changes_nothing() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 4)
-    before = bm.gpu.free_order()
+    before = bm.device.free_order()
     with pytest.raises(RuntimeError, match="needs 5 blocks, 3 free"):
         bm.allocate(2, 17)
     with pytest.raises(RuntimeError, match="needs 4 blocks, 3 free"):
         bm.allocate(1, 20)
     assert bm.block_table(1) == [0] and bm.block_table(2) == []
-    assert bm.gpu.free_order() == before == [1, 2, 3]
+    assert bm.device.free_order() == before == [1, 2, 3]
     assert ops(bm) == ([], [], [])
     bm.check_integrity()
 
@@ -102,7 +102,7 @@ def test_free_of_unknown_sequence_is_harmless() -> None:
     bm = BlockManager(num_blocks=2, block_size=16)
     assert bm.free(42) == 0
     bm.drop_device_blocks(43)
-    assert bm.gpu.free_order() == [0, 1]
+    assert bm.device.free_order() == [0, 1]
     bm.check_integrity()
 
 
@@ -118,7 +118,7 @@ def test_free_releases_in_reverse_after_the_never_used_blocks() -> None:
     bm.allocate(1, 6)  # [0, 1, 2]
     bm.allocate(2, 2)  # [3]
     assert bm.free(1) == 3
-    assert bm.gpu.free_order() == [4, 5, 6, 7, 2, 1, 0]
+    assert bm.device.free_order() == [4, 5, 6, 7, 2, 1, 0]
     bm.allocate(3, 10)
     assert bm.block_table(3) == [4, 5, 6, 7, 2]
     bm.allocate(4, 4)
@@ -140,7 +140,7 @@ def test_fork_shares_every_block() -> None:
     bm.check_integrity()
     bm.free(1)  # the child keeps both blocks
     assert refs(bm, [0, 1]) == [1, 1]
-    assert bm.gpu.free_order() == [2, 3, 4, 5, 6, 7]
+    assert bm.device.free_order() == [2, 3, 4, 5, 6, 7]
     bm.check_integrity()
 
 
@@ -197,7 +197,7 @@ def test_blocks_needed_counts_copies_and_growth() -> None:
 
 
 def test_swap_out_and_in_use_exact_ids_and_record_pairs() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=4)
     bm.allocate(1, 6)  # [0, 1]
     bm.allocate(2, 4)  # [2]
     assert bm.can_swap_out([2])
@@ -205,7 +205,7 @@ def test_swap_out_and_in_use_exact_ids_and_record_pairs() -> None:
     assert bm.swap_out([1]) == 2
     assert bm.host_table(2) == [0] and bm.host_table(1) == [1, 2]
     assert bm.block_table(1) == [] and bm.block_table(2) == []
-    assert bm.gpu.free_order() == [3, 4, 5, 6, 7, 2, 0, 1]  # swap-out releases in table order
+    assert bm.device.free_order() == [3, 4, 5, 6, 7, 2, 0, 1]  # swap-out releases in table order
     assert ops(bm) == ([[2, 0], [0, 1], [1, 2]], [], [])
     assert ops(bm) == ([], [], [])  # take_ops clears
     bm.check_integrity()
@@ -213,14 +213,14 @@ def test_swap_out_and_in_use_exact_ids_and_record_pairs() -> None:
     assert bm.can_swap_in([1])
     assert bm.swap_in([1]) == 2
     assert bm.block_table(1) == [3, 4] and bm.host_table(1) == []
-    assert bm.cpu.free_order() == [3, 1, 2]
+    assert bm.host.free_order() == [3, 1, 2]
     assert ops(bm) == ([], [[1, 3], [2, 4]], [])
     assert bm.block_tables([1]).tolist() == [[3, 4]]
     bm.check_integrity()
 
 
 def test_forks_swap_together_and_shared_blocks_move_once() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=4)
     bm.allocate(9, 8)  # [0, 1]: keeps the low device ids busy
     bm.allocate(1, 6)  # [2, 3*]
     bm.fork(1, 2)
@@ -230,29 +230,29 @@ def test_forks_swap_together_and_shared_blocks_move_once() -> None:
     assert bm.unique_blocks([1, 2]) == {2, 3, 4}
     assert bm.swap_out([1, 2]) == 3
     assert bm.host_table(1) == [0, 1] and bm.host_table(2) == [0, 2]
-    assert [bm.cpu.ref[b] for b in range(4)] == [2, 1, 1, 0]
+    assert [bm.host.ref[b] for b in range(4)] == [2, 1, 1, 0]
     assert ops(bm) == ([[2, 0], [3, 1], [4, 2]], [], [])
-    assert bm.gpu.free_order() == [5, 6, 7, 3, 2, 4]
+    assert bm.device.free_order() == [5, 6, 7, 3, 2, 4]
     bm.check_integrity()
 
     assert bm.swap_in([1, 2]) == 3
     assert bm.block_table(1) == [5, 6] and bm.block_table(2) == [5, 7]
     assert refs(bm, [5, 6, 7]) == [2, 1, 1]
     assert ops(bm) == ([], [[0, 5], [1, 6], [2, 7]], [])
-    assert bm.cpu.free_order() == [3, 1, 0, 2]
+    assert bm.host.free_order() == [3, 1, 0, 2]
     assert bm.block_tables([1, 2, 9]).tolist() == [[5, 6], [5, 7], [0, 1]]
     bm.check_integrity()
 
 
 def test_swap_capacity_checks() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4, num_cpu_blocks=2)
+    bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=2)
     bm.allocate(1, 12)  # [0, 1, 2]
     assert not bm.can_swap_out([1])
-    before = bm.gpu.free_order()
+    before = bm.device.free_order()
     with pytest.raises(RuntimeError, match="swap_out"):
         bm.swap_out([1])
     assert bm.block_table(1) == [0, 1, 2] and bm.host_table(1) == []
-    assert bm.gpu.free_order() == before and ops(bm) == ([], [], [])
+    assert bm.device.free_order() == before and ops(bm) == ([], [], [])
     bm.check_integrity()
 
     bm.free(1)
@@ -264,8 +264,8 @@ def test_swap_capacity_checks() -> None:
     assert bm.can_swap_in([2, 3])
     assert not bm.can_swap_in([2, 3], reserve=1)
     # Freeing a swapped sequence releases its host blocks.
-    assert bm.free(2) == 0 and bm.cpu.num_free == 0
-    assert bm.free(3) == 0 and bm.cpu.num_free == 2
+    assert bm.free(2) == 0 and bm.host.num_free == 0
+    assert bm.free(3) == 0 and bm.host.num_free == 2
     bm.check_integrity()
 
 
@@ -337,8 +337,8 @@ def test_freed_blocks_stay_hitable_in_the_cached_lru() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     prefill(bm, 1, A + B + [1, 2])  # [0, 1, 2]; A, B indexed
     bm.free(1)
-    assert bm.gpu.num_cached == 2
-    assert bm.gpu.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]  # free FIFO, then LRU (tail first)
+    assert bm.device.num_cached == 2
+    assert bm.device.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]  # free FIFO, then LRU (tail first)
     hit = bm.prefix_hit(2, A + B + [3, 4])
     assert hit == [0, 1]
     assert bm.admission_cost(hit, 10) == 3  # two revived + one new
@@ -347,7 +347,7 @@ def test_freed_blocks_stay_hitable_in_the_cached_lru() -> None:
     bm.allocate(2, 10, write_from=8)
     assert free_before - bm.num_free_blocks == 3
     assert bm.block_table(2) == [0, 1, 3]
-    assert bm.gpu.num_cached == 0
+    assert bm.device.num_cached == 0
     bm.check_integrity()
 
 
@@ -357,7 +357,7 @@ def test_drop_device_blocks_keeps_the_hashes_for_a_later_hit() -> None:
     prefill(bm, 1, tokens)  # [0, 1, 2]
     bm.drop_device_blocks(1)
     assert bm.block_table(1) == []
-    assert bm.gpu.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert bm.device.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
     assert admit(bm, 1, tokens) == [0, 1]
     assert bm.block_table(1) == [0, 1, 3]
     bm.check_integrity()
@@ -367,10 +367,10 @@ def test_eviction_takes_the_least_recently_released_cached_block_tail_first() ->
     bm = BlockManager(num_blocks=4, block_size=4)
     prefill(bm, 1, A + B + [1])  # [0, 1, 2]
     bm.free(1)
-    assert bm.gpu.free_order() == [3, 2, 1, 0]
+    assert bm.device.free_order() == [3, 2, 1, 0]
     bm.allocate(2, 12)  # plain free blocks first, then evicts B's block 1
     assert bm.block_table(2) == [3, 2, 1]
-    assert bm.gpu.num_cached == 1 and bm.gpu.free_order() == [0]
+    assert bm.device.num_cached == 1 and bm.device.free_order() == [0]
     assert bm.prefix_hit(3, A + B + [1]) == [0]  # B's hash was forgotten, A survives
     bm.allocate(4, 1)
     assert bm.block_table(4) == [0]
@@ -384,10 +384,10 @@ def test_a_revived_block_is_released_as_most_recent() -> None:
     prefill(bm, 2, B + [1])  # [2, 3]
     bm.free(1)
     bm.free(2)
-    assert bm.gpu.free_order() == [1, 3, 0, 2]
+    assert bm.device.free_order() == [1, 3, 0, 2]
     admit(bm, 3, A + [2])  # revives 0, takes 1
     bm.free(3)
-    assert bm.gpu.free_order() == [3, 1, 2, 0]
+    assert bm.device.free_order() == [3, 1, 2, 0]
     bm.check_integrity()
 
 
@@ -396,8 +396,8 @@ def test_prefix_caching_off_never_hits() -> None:
     prefill(bm, 1, A + B + [1])
     assert bm.prefix_hit(2, A + B + [1]) == []
     bm.free(1)
-    assert bm.gpu.num_cached == 0
-    assert bm.gpu.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert bm.device.num_cached == 0
+    assert bm.device.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
     assert bm.prefix_hit(3, A + B + [1]) == []
     bm.check_integrity()
 
@@ -453,7 +453,7 @@ def test_integrity_check_catches_a_double_owner() -> None:
 def test_integrity_check_catches_a_wrong_ref_count() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 4)
-    bm.gpu.ref[0] += 1  # corrupt on purpose
+    bm.device.ref[0] += 1  # corrupt on purpose
     with pytest.raises(AssertionError, match="block 0 has ref 2, tables hold 1"):
         bm.check_integrity()
 
@@ -473,7 +473,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=self.BS, num_cpu_blocks=6)
+        self.bm = BlockManager(num_blocks=12, block_size=self.BS, num_host_blocks=6)
         self.gpu_kv: dict[int, list[int | None]] = {}
         self.cpu_kv: dict[int, list[int | None]] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -511,7 +511,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # Copy-on-write: nobody else references a block this sequence is about to write.
         table = bm.block_table(seq_id)
         for i in range(write_from // self.BS, bm.blocks_for(num_tokens)):
-            assert bm.gpu.ref[table[i]] == 1, (seq_id, i, table)
+            assert bm.device.ref[table[i]] == 1, (seq_id, i, table)
 
     def _admit(self, seq_id: int) -> bool:
         bm, tokens = self.bm, self.tokens[seq_id]
@@ -555,7 +555,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = self.bm.block_table(seq_id)
         for t in range(done, done + q):
             block = table[t // self.BS]
-            assert self.bm.gpu._hash_of[block] is None  # never write into an indexed block
+            assert self.bm.device._hash_of[block] is None  # never write into an indexed block
             self.gpu_kv.setdefault(block, [None] * self.BS)[t % self.BS] = tokens[t]
         self.computed[seq_id] = done + q
         self.bm.commit(seq_id, tokens, done + q)
@@ -620,7 +620,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq_id is not None
         ids = [s for s, w in sorted(self.where.items()) if w == "device" and self.family[s] == self.family[seq_id]]
         unique = len(self.bm.unique_blocks(ids))
-        assert self.bm.can_swap_out(ids) == (unique <= self.bm.cpu.num_free)
+        assert self.bm.can_swap_out(ids) == (unique <= self.bm.host.num_free)
         if not self.bm.can_swap_out(ids):
             return
         before = self._sharing([self.bm.block_table(s) for s in ids])
@@ -652,7 +652,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         bm = self.bm
         bm.check_integrity()
-        for pool in (bm.gpu, bm.cpu):
+        for pool in (bm.device, bm.host):
             free = len(pool.free_order()) - pool.num_cached
             used = sum(r > 0 for r in pool.ref)
             assert free + used + pool.num_cached == pool.num_blocks

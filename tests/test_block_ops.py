@@ -10,15 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common import worker_wire
 from common.config import CacheConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.api import generation_wire as scheduler_wire
 from tests.conftest import skip_without_cuda
 from tests.plans import Feed, make_plan
 from worker_svc.models.shape import ModelShape
-from worker_svc.service import wire as worker_wire
 from worker_svc.step.kv_cache import GIB, KVCache
 from worker_svc.step.runner import ModelRunner, PlanError
 
@@ -298,8 +297,8 @@ def test_plan_block_ops_and_num_logprobs_survive_the_wire() -> None:
         ops_only(3, swap_out=[[4, 2]]),
     ]
     for plan in plans:
-        data = scheduler_wire.step_plan(plan).SerializeToString()
-        back = worker_wire.step_plan(worker_pb.StepPlan.FromString(data))
+        data = worker_wire.encode_plan(plan).SerializeToString()
+        back = worker_wire.decode_plan(worker_pb.StepPlan.FromString(data))
         assert back.step_id == plan.step_id
         for name in (
             "seq_ids",
@@ -320,10 +319,10 @@ def test_plan_block_ops_and_num_logprobs_survive_the_wire() -> None:
 
 
 def test_odd_block_op_lengths_are_refused_on_decode() -> None:
-    msg = scheduler_wire.step_plan(ops_only())
+    msg = worker_wire.encode_plan(ops_only())
     msg.copy = np.array([1, 2, 3], "<i4").tobytes()
     with pytest.raises(ValueError, match="copy: 3 values is not a whole number of"):
-        worker_wire.step_plan(msg)
+        worker_wire.decode_plan(msg)
 
 
 @pytest.mark.parametrize(
@@ -350,8 +349,8 @@ def test_odd_block_op_lengths_are_refused_on_decode() -> None:
 )
 def test_step_result_logprobs_survive_the_wire(result: StepResult) -> None:
     n = result.sampled_token_ids.shape[0]
-    data = worker_wire.step_result(result).SerializeToString()
-    back = scheduler_wire.step_result(worker_pb.StepResult.FromString(data), n)
+    data = worker_wire.encode_result(result).SerializeToString()
+    back = worker_wire.decode_result(worker_pb.StepResult.FromString(data), n)
     assert (back.step_id, back.execute_seconds) == (result.step_id, result.execute_seconds)
     np.testing.assert_array_equal(back.sampled_token_ids, result.sampled_token_ids)
     np.testing.assert_array_equal(back.logprobs, result.logprobs)
@@ -363,8 +362,8 @@ def test_step_result_logprobs_survive_the_wire(result: StepResult) -> None:
 
 def test_worker_info_carries_block_bytes() -> None:
     info = WorkerInfo("m", 200, 64, "float32", "cpu", 0, 1, 8, 16, 8, block_bytes=2048)
-    msg = worker_pb.WorkerInfo.FromString(worker_wire.worker_info(info).SerializeToString())
-    assert scheduler_wire.worker_info(msg) == info
+    msg = worker_pb.WorkerInfo.FromString(worker_wire.encode_worker_info(info).SerializeToString())
+    assert worker_wire.decode_worker_info(msg) == info
 
 
 def test_default_pools_are_sized_from_the_available_memory(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

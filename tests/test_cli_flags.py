@@ -7,43 +7,46 @@ import argparse
 
 import pytest
 
-from llmserve import cli
+from llmserve.cli import commands, configs
+from llmserve.cli.commands import cmd_generate
+from llmserve.cli.parser import build_parser
+from llmserve.cli.worker import worker_args
 
 
 def _args(*flags: str) -> object:
-    return cli._parser().parse_args(["up", "--model", "/models/m", *flags])  # noqa: SLF001
+    return build_parser().parse_args(["up", "--model", "/models/m", *flags])
 
 
 def test_gpu_memory_utilization_reaches_the_config_and_the_worker_command() -> None:
     a = _args("--gpu-memory-utilization", "0.55")
-    assert cli._worker_config(a, "/models/m").cache.gpu_memory_utilization == 0.55  # type: ignore[arg-type]  # noqa: SLF001
-    cmd = cli._worker_args(a, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+    assert configs.worker_config(a, "/models/m").cache.gpu_memory_utilization == 0.55  # type: ignore[arg-type]
+    cmd = worker_args(a, "/models/m")  # type: ignore[arg-type]
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.55"
     # The worker parses what `up` passes it into the same config.
-    worker = cli._parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])  # noqa: SLF001
-    assert cli._worker_config(worker, "/models/m").cache.gpu_memory_utilization == 0.55  # noqa: SLF001
+    worker = build_parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])
+    assert configs.worker_config(worker, "/models/m").cache.gpu_memory_utilization == 0.55
 
 
 def test_lora_flags_reach_both_configs_and_the_worker_command() -> None:
     a = _args("--lora-modules", "sql=/adapters/sql", "chat=/a/chat", "--max-loras", "3", "--max-lora-rank", "16")
-    sched = cli._scheduler_config(a)  # type: ignore[arg-type]  # noqa: SLF001
+    sched = configs.scheduler_config(a)  # type: ignore[arg-type]
     assert sched.enable_lora and sched.max_lora_rank == 16  # --lora-modules implies --enable-lora
     assert sched.lora_modules == (("sql", "/adapters/sql"), ("chat", "/a/chat"))
-    cmd = cli._worker_args(a, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
-    worker = cli._parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])  # noqa: SLF001
-    lora = cli._worker_config(worker, "/models/m").lora  # noqa: SLF001
+    cmd = worker_args(a, "/models/m")  # type: ignore[arg-type]
+    worker = build_parser().parse_args(cmd[cmd.index("worker") :] + ["--listen", "unix:///tmp/w.sock"])
+    lora = configs.worker_config(worker, "/models/m").lora
     assert lora is not None and (lora.max_loras, lora.max_lora_rank, lora.host_copies) == (3, 16, 3)
     plain = _args()
-    assert cli._worker_config(plain, "/models/m").lora is None  # type: ignore[arg-type]  # noqa: SLF001
-    assert "--enable-lora" not in cli._worker_args(plain, "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+    assert configs.worker_config(plain, "/models/m").lora is None  # type: ignore[arg-type]
+    assert "--enable-lora" not in worker_args(plain, "/models/m")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="NAME=DIR"):
-        cli._scheduler_config(_args("--lora-modules", "no-equals-sign"))  # type: ignore[arg-type]  # noqa: SLF001
+        configs.scheduler_config(_args("--lora-modules", "no-equals-sign"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
 def test_gpu_memory_utilization_outside_its_range_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        cli._worker_config(_args("--gpu-memory-utilization", value), "/models/m")  # type: ignore[arg-type]  # noqa: SLF001
+        configs.worker_config(_args("--gpu-memory-utilization", value), "/models/m")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -57,28 +60,28 @@ def test_gpu_memory_utilization_outside_its_range_is_refused(value: str) -> None
 )
 def test_generate_flag_errors_name_the_flag(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli._parser().parse_args(["generate", "hi", *flags])  # noqa: SLF001
+        build_parser().parse_args(["generate", "hi", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_generate_system_needs_chat() -> None:
     with pytest.raises(ValueError, match="^--system needs --chat$"):
-        cli.cmd_generate(cli._parser().parse_args(["generate", "hi", "--system", "Be brief."]))  # noqa: SLF001
+        cmd_generate(build_parser().parse_args(["generate", "hi", "--system", "Be brief."]))
 
 
 def test_server_errors_name_the_flag_that_set_the_field() -> None:
-    assert cli._flag_names("sampling.top_k: must be >= 0") == "--top-k (sampling.top_k: must be >= 0)"  # noqa: SLF001
-    assert cli._flag_names("stopping.stop[0]: empty stop string").startswith("--stop (")  # noqa: SLF001
-    assert cli._flag_names("the server is shutting down") == "the server is shutting down"  # noqa: SLF001
+    assert commands._flag_names("sampling.top_k: must be >= 0") == "--top-k (sampling.top_k: must be >= 0)"  # noqa: SLF001
+    assert commands._flag_names("stopping.stop[0]: empty stop string").startswith("--stop (")  # noqa: SLF001
+    assert commands._flag_names("the server is shutting down") == "the server is shutting down"  # noqa: SLF001
 
 
 def test_every_option_has_help() -> None:
-    parser = cli._parser()  # noqa: SLF001
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
     missing = [
         f"{name} {' '.join(action.option_strings) or action.dest}"
-        for name, sub in commands.choices.items()
+        for name, sub in subcommands.choices.items()
         for action in sub._actions  # noqa: SLF001
         if action.help is None
     ]

@@ -30,6 +30,7 @@ from tests.conftest import (
     start_scheduler,
     stop_scheduler,
 )
+from tests.engine_state import first_scheduler
 
 
 def address(s: Scheduler) -> str:
@@ -123,7 +124,7 @@ async def test_unreachable_or_wrong_credentials_is_unavailable(tiny_scheduler: S
 async def assert_request_gone_within_steps(s: Scheduler, step_at_close: int) -> None:
     """The request was aborted: the engine ran out of work within a step or two of the close
     (it had hundreds of tokens left to generate)."""
-    sched = s.engine.scheduler
+    sched = first_scheduler(s.engine)
     deadline = asyncio.get_running_loop().time() + 10
     while sched.has_work and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.001)
@@ -136,7 +137,7 @@ async def test_closing_a_stream_aborts_the_request(tiny_scheduler: Scheduler) ->
         client = LlmserveClient(address(tiny_scheduler))
         stream = client.generate(prompt_token_ids=[3, 4, 5], max_tokens=400, ignore_eos=True)
         assert next(stream).completion_tokens >= 1
-        step = tiny_scheduler.engine.scheduler._next_step_id
+        step = first_scheduler(tiny_scheduler.engine)._next_step_id
         stream.close()  # the channel stays open: the generator's close alone cancels the call
         return client, step
 
@@ -147,7 +148,7 @@ async def test_closing_a_stream_aborts_the_request(tiny_scheduler: Scheduler) ->
     async with AsyncLlmserveClient(address(tiny_scheduler)) as aclient:
         stream = aclient.generate(prompt_token_ids=[3, 4, 5], max_tokens=400, ignore_eos=True)
         assert (await anext(stream)).completion_tokens >= 1
-        step = tiny_scheduler.engine.scheduler._next_step_id
+        step = first_scheduler(tiny_scheduler.engine)._next_step_id
         await stream.aclose()
         await assert_request_gone_within_steps(tiny_scheduler, step)
 

@@ -24,7 +24,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmserve import cli
+from llmserve.cli import configs
+from llmserve.cli.parser import build_parser
 from llmserve.gateway import GatewayConfig, smg_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,9 +153,9 @@ def test_images_are_the_dockerfiles_targets() -> None:
 
 def _gateway_config(args: list[str]) -> GatewayConfig:
     """What `llmserve gateway` makes of a deployment's arguments: parsed and validated by the CLI itself."""
-    parsed = cli._parser().parse_args(args)  # noqa: SLF001
+    parsed = build_parser().parse_args(args)
     assert parsed.command == "gateway"
-    return cli._gateway_config(parsed)  # noqa: SLF001
+    return configs.gateway_config(parsed)
 
 
 def _published(service: dict[str, Any]) -> dict[int, str]:
@@ -322,7 +323,7 @@ def test_the_compose_binary_runs_alone_and_rejects_a_broken_file(tmp_path: Path)
 
 @needs_compose
 def test_a_third_gpu_is_the_worker_1_block_copied_as_worker_2(tmp_path: Path) -> None:
-    # What README.md and compose.yaml tell a user with three GPUs to do.
+    # What docs/deploying.md and compose.yaml tell a user with three GPUs to do.
     text = (REPO / "compose.yaml").read_text()
     start = text.index("\n  worker-1:\n") + 1
     block = text[start : text.index("\n\n", start) + 1]

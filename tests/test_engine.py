@@ -23,6 +23,7 @@ from scheduler_svc.engine.request import GenerationRequest, RequestOutput
 from scheduler_svc.sched.sequence import FinishReason
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.workers.worker_client import StepTiming
+from tests.engine_state import first_scheduler
 
 
 class FakeWorker:
@@ -100,7 +101,7 @@ async def test_a_crash_in_the_loop_fails_requests_and_the_engine_recovers(
             await asyncio.sleep(0.01)
         outs = await run(engine, ignore_eos=True, max_tokens=4)
         assert tokens_of(outs) == [300, 301, 302, 300]
-        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+        assert first_scheduler(engine) is not None and first_scheduler(engine).block_manager.num_used_blocks == 0
     finally:
         await engine.stop()
 
@@ -145,10 +146,10 @@ async def test_a_late_abort_does_not_hit_a_new_request_with_the_same_id(spec: Mo
 def _stale_stream(engine: Engine, outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
     """A finished request's stream object, as a cancelled handler would still hold it."""
     from scheduler_svc.engine.request_stream import RequestStream
-    from scheduler_svc.sched.sequence import SamplingParams, Sequence, StoppingParams
+    from scheduler_svc.sched.sequence import SamplingOptions, Sequence, StoppingParams
     from scheduler_svc.sched.sequence_group import SequenceGroup
 
-    seq = Sequence(10**6, "x", [1, 2], SamplingParams(), StoppingParams(max_tokens=3), arrival=10**6)
+    seq = Sequence(10**6, "x", [1, 2], SamplingOptions(), StoppingParams(max_tokens=3), arrival=10**6)
     return RequestStream(SequenceGroup("x", [seq], seq.sampling, 10**6), engine.tokenizer, 0)
 
 
@@ -209,7 +210,7 @@ async def test_every_sample_gets_its_final_message_when_a_sibling_stops_in_the_s
         outs = await run(engine, n=2, temperature=1.0, seed=123, stop=("beta",))
         finals = {o.index: o.finish_reason for o in outs if o.finish_reason is not None}
         assert finals == {0: FinishReason.STOP_SEQUENCE, 1: FinishReason.STOP}
-        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+        assert first_scheduler(engine) is not None and first_scheduler(engine).block_manager.num_used_blocks == 0
     finally:
         await engine.stop()
 

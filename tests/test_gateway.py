@@ -33,7 +33,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from llmserve import cli
+from llmserve.cli import configs
+from llmserve.cli.parser import build_parser
 from llmserve.client import LlmserveClient, generate_request
 from llmserve.gateway import GatewayConfig, GatewayUnavailable, KubernetesDiscovery, smg_command, smg_executable
 from tests.conftest import REPO
@@ -321,7 +322,7 @@ def test_chat_logprobs_match_the_native_api(client: openai.OpenAI, native: Llmse
 
 def test_completions_logprobs_are_computed_but_not_returned_by_smg(client: openai.OpenAI) -> None:
     """smg 1.13 forwards `logprobs` of /v1/completions to the scheduler (a scheduler started
-    with --max-logprobs 1 refuses 5) but leaves them out of the response: README says so."""
+    with --max-logprobs 1 refuses 5) but leaves them out of the response: docs/api.md says so."""
     answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
     assert answer.choices[0].text and answer.choices[0].logprobs is None
 
@@ -357,7 +358,7 @@ def test_the_same_seed_gives_the_same_text_at_temperature_1(client: openai.OpenA
     assert native.generate_text("Once upon a time", max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True) == first
 
 
-# ---- structured outputs: what smg 1.13 forwards of response_format (README, "Structured outputs") ----
+# ---- structured outputs: what smg 1.13 forwards of response_format (docs/api.md, "Structured outputs") ----
 
 
 def _native_chat(native: LlmserveClient, so: pb.StructuredOutput, max_tokens: int) -> str:
@@ -621,14 +622,14 @@ def test_sigterm_stops_the_gateway_first_and_leaves_no_process(up: Scheduler) ->
 
 
 def _up(*flags: str) -> Any:
-    return cli._parser().parse_args(["up", "--model", "/models/m", *flags])  # noqa: SLF001
+    return build_parser().parse_args(["up", "--model", "/models/m", *flags])
 
 
 def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() -> None:
-    config = cli._up_gateway_config(_up("--host", "0.0.0.0", "--port", "50061"))  # noqa: SLF001
+    config = configs.up_gateway_config(_up("--host", "0.0.0.0", "--port", "50061"))
     assert config is not None
     assert (config.host, config.port, config.schedulers) == ("0.0.0.0", 8000, ("127.0.0.1:50061",))
-    assert cli._up_gateway_config(_up("--no-http")) is None  # noqa: SLF001
+    assert configs.up_gateway_config(_up("--no-http")) is None
 
 
 @pytest.mark.parametrize(
@@ -644,7 +645,7 @@ def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() ->
 )
 def test_up_refuses_bad_gateway_flags(flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        cli._up_gateway_config(_up(*flags))  # noqa: SLF001
+        configs.up_gateway_config(_up(*flags))
 
 
 def test_up_refuses_a_held_http_port_before_starting_anything(tiny_model_dir: Path) -> None:
@@ -677,7 +678,7 @@ def test_up_refuses_a_held_http_port_before_starting_anything(tiny_model_dir: Pa
 
 def test_gateway_command_needs_schedulers_or_discovery() -> None:
     def config(*flags: str) -> GatewayConfig:
-        return cli._gateway_config(cli._parser().parse_args(["gateway", *flags]))  # noqa: SLF001
+        return configs.gateway_config(build_parser().parse_args(["gateway", *flags]))
 
     with pytest.raises(ValueError, match="needs --scheduler"):
         config()

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from common import worker_wire
 from common.plan import StepPlan, StepResult
-from scheduler_svc.api import generation_wire as scheduler_wire
 from tests.plans import Feed, make_plan
 from worker_svc.device.parallel import ParallelGroup, init_group
 from worker_svc.layers.rotary import RotaryEmbedding
@@ -199,7 +199,7 @@ def test_a_group_of_one_binds_the_main_thread_to_its_gpu(fake_cuda: FakeCuda) ->
 async def test_every_step_runs_with_the_workers_gpu_current(fake_cuda: FakeCuda) -> None:
     runner = FakeRunner("cuda:1")
     context = FakeContext()
-    answered = await run_stream(runner, [scheduler_wire.step_plan(plan(i)) for i in range(3)], context)
+    answered = await run_stream(runner, [worker_wire.encode_plan(plan(i)) for i in range(3)], context)
     assert answered == [0, 1, 2] and context.aborted is None
     assert len(runner.launched_on) == 3
     assert all(name.startswith("forward") and device == 1 for name, device in runner.launched_on), runner.launched_on
@@ -228,14 +228,14 @@ async def test_an_error_in_the_forward_pass_of_a_group_fails_the_rank(
     monkeypatch.setattr(os, "_exit", exit_)
     context = FakeContext()
     with pytest.raises(RankExit) as exited:
-        await run_stream(FakeRunner(world_size=2, fail=error), [scheduler_wire.step_plan(plan(0))], context)
+        await run_stream(FakeRunner(world_size=2, fail=error), [worker_wire.encode_plan(plan(0))], context)
     assert exited.value.args == (3,) and context.aborted is None
 
 
 async def test_an_error_in_the_forward_pass_of_a_single_worker_is_not_a_refused_plan() -> None:
     context = FakeContext()
     with pytest.raises(ValueError, match="cannot be accessed from Triton"):
-        await run_stream(FakeRunner(fail=KERNEL_ERRORS[0]), [scheduler_wire.step_plan(plan(0))], context)
+        await run_stream(FakeRunner(fail=KERNEL_ERRORS[0]), [worker_wire.encode_plan(plan(0))], context)
     assert context.aborted is None
 
 
@@ -243,12 +243,12 @@ async def test_a_plan_the_checks_refuse_is_invalid_argument_on_every_rank(monkey
     monkeypatch.setattr(os, "_exit", lambda code: pytest.fail(f"a refused plan exited the rank ({code})"))
     context = FakeContext()
     with pytest.raises(Aborted):
-        await run_stream(FakeRunner(world_size=2, refuse=True), [scheduler_wire.step_plan(plan(4))], context)
+        await run_stream(FakeRunner(world_size=2, refuse=True), [worker_wire.encode_plan(plan(4))], context)
     assert context.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "step 4: block id outside the cache of 16 blocks")
 
 
 async def test_a_plan_that_does_not_decode_is_invalid_argument() -> None:
-    msg = scheduler_wire.step_plan(plan(5))
+    msg = worker_wire.encode_plan(plan(5))
     msg.query_lens = b"\x01\x02\x03"  # not a whole int32
     context = FakeContext()
     with pytest.raises(Aborted):

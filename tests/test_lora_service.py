@@ -82,7 +82,7 @@ async def lora_scheduler(
         yield s
         await s.wait_idle()
         for replica in s.engine.replicas:  # every slot reference given back
-            assert not any(replica.scheduler.adapter_slots.refs)
+            assert not any(replica.scheduler.queues.adapter_slots.refs)
     finally:
         await stop_scheduler(s)
 

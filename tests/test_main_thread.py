@@ -1,5 +1,5 @@
 """The worker's steps run on the thread that loaded the model (worker_svc/service/main_thread.py), its
-event loop on another one (llmserve.cli._run_beside)."""
+event loop on another one (its `run_beside`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from llmserve.cli import _run_beside
-from worker_svc.service.main_thread import MainThreadExecutor
+from worker_svc.service.main_thread import MainThreadExecutor, run_beside
 
 
 def serve_in_background(executor: MainThreadExecutor) -> threading.Thread:
@@ -95,7 +94,7 @@ def test_the_event_loop_runs_beside_the_main_thread_which_runs_the_steps_and_sig
         seen["stopped"] = 1
 
     before = signal.getsignal(signal.SIGTERM)
-    _run_beside(executor, body)
+    run_beside(executor, body)
     assert seen["step"] == threading.main_thread().ident
     assert seen["loop"] != seen["step"]
     assert seen["stopped"] == 1
@@ -109,6 +108,6 @@ def test_an_error_of_the_event_loop_is_raised_on_the_main_thread_and_ends_servin
         raise OSError("port taken")
 
     with pytest.raises(OSError, match="port taken"):
-        _run_beside(executor, body)
+        run_beside(executor, body)
     with pytest.raises(RuntimeError, match="after shutdown"):
         executor.submit(print)

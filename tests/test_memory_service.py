@@ -25,6 +25,7 @@ from tests.conftest import (
     start_worker,
     stop_scheduler,
 )
+from tests.engine_state import first_scheduler
 
 
 def by_index(gen: Generation) -> dict[int, list[int]]:
@@ -58,18 +59,18 @@ async def test_24_concurrent_requests_through_swap_and_recompute_are_exact(small
     # 24 requests growing to 36-59 + 40 tokens (5-7 blocks each): ~140 blocks wanted, 40 held.
     prompts = [[300 + 13 * i + k for k in range(36 + i)] for i in range(24)]
     solo = [await collect(small_pool.stub, request(ids=p, max_tokens=40, ignore_eos=True)) for p in prompts]
-    sched = small_pool.engine.scheduler
-    assert sched.num_preemptions == 0
+    sched = first_scheduler(small_pool.engine)
+    assert sched.queues.num_preemptions == 0
     together = await asyncio.gather(
         *(collect(small_pool.stub, request(ids=p, max_tokens=40, ignore_eos=True)) for p in prompts)
     )
-    assert sched.num_swap_preemptions > 0, "the swap pool was never used"
-    assert sched.num_recompute_preemptions > 0, "the swap pool never ran full"
+    assert sched.queues.num_swap_preemptions > 0, "the swap pool was never used"
+    assert sched.queues.num_recompute_preemptions > 0, "the swap pool never ran full"
     assert [g.token_ids for g in together] == [g.token_ids for g in solo]
     assert [g.text for g in together] == [g.text for g in solo]
     stats = [g.final.stats for g in together]
-    assert sum(st.num_preemptions for st in stats) == sched.num_preemptions
-    assert sum(st.num_swaps for st in stats) == sched.num_swap_preemptions
+    assert sum(st.num_preemptions for st in stats) == sched.queues.num_preemptions
+    assert sum(st.num_swaps for st in stats) == sched.queues.num_swap_preemptions
     assert all(st.swapped_bytes > 0 for st in stats if st.num_swaps)
     await small_pool.wait_idle()
 

@@ -13,6 +13,7 @@ import grpc
 from common.config import SchedulerConfig, ServerConfig
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from tests.conftest import collect, free_port, request, start_worker
+from tests.engine_state import first_scheduler
 
 LABEL = 'model_name="tiny-llama"'
 
@@ -66,7 +67,7 @@ async def test_scheduler_and_worker_metrics_move_and_return_to_idle(tiny_model_d
             except grpc.aio.AioRpcError as error:
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         deadline = time.monotonic() + 5
-        while server.engine.scheduler.has_work and time.monotonic() < deadline:
+        while first_scheduler(server.engine).has_work and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)
         idle = scrape(metrics_port)

@@ -54,7 +54,7 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     # Phi-3 LongRoPE: the short factors and the attention factor of 512 / 47. Every sequence
     # stays within the original length: past it, transformers' `generate` drops its cache and
     # rotates every position with the long factors, where we rotate only the positions past it
-    # with them (README, LongRoPE).
+    # with them (docs/models.md, LongRoPE).
     "phi3-longrope": (
         Phi3Config,
         Phi3ForCausalLM,

@@ -19,7 +19,7 @@ from common.config import SchedulerConfig
 from common.plan import DEFERRED_INPUT, StepPlan, StepResult
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
@@ -55,16 +55,16 @@ class CarryWorker:
 
 
 def _scheduler(num_blocks: int, **cfg: object) -> Scheduler:
-    bm = BlockManager(num_blocks, 4, num_cpu_blocks=16, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks, 4, num_host_blocks=16, enable_prefix_caching=True)
     return Scheduler(SchedulerConfig(**cfg), bm, 256, frozenset({EOS}), block_bytes=1000)  # type: ignore[arg-type]
 
 
 def _group(
     s: Scheduler, rid: int, prompt: list[int], max_tokens: int, priority: int = 0, **sampling: object
 ) -> SequenceGroup:
-    params = SamplingParams(**sampling)  # type: ignore[arg-type]
+    params = SamplingOptions(**sampling)  # type: ignore[arg-type]
     seq = Sequence(
-        s.new_seq_id(),
+        s.queues.new_seq_id(),
         f"r{rid}",
         list(prompt),
         params,
@@ -81,13 +81,13 @@ def _run(
 ) -> tuple[dict[str, list[list[int]]], int, int]:
     """Outputs by request, steps planned ahead, deferred inputs the worker filled."""
     s = _scheduler(num_blocks, **cfg)
-    preempt = s.preempt
+    preempt = s.queues.preempt
 
-    def preempt_only_between_results(group: SequenceGroup) -> object:
+    def preempt_only_between_results(group: SequenceGroup, step_id: int) -> object:
         assert not s._in_flight, "a preemption while a plan is in flight"  # noqa: SLF001
-        return preempt(group)
+        return preempt(group, step_id)
 
-    s.preempt = preempt_only_between_results  # type: ignore[method-assign]
+    s.queues.preempt = preempt_only_between_results  # type: ignore[method-assign,assignment]
     worker = CarryWorker()
     groups: list[SequenceGroup] = []
     in_flight: deque[StepPlan] = deque()
@@ -288,4 +288,4 @@ def test_a_preemption_with_a_token_in_flight_is_refused() -> None:
     group = _group(s, 1, [30, 31, 32], max_tokens=8)
     assert s.schedule() is not None and s.schedule() is not None
     with pytest.raises(RuntimeError, match="token in flight"):
-        s.preempt(group)
+        s.queues.preempt(group, s.next_step_id)

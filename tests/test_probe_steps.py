@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import CacheConfig, WorkerConfig
 from common.plan import SamplingBatch, StepPlan, StepResult
 from kernels.paged_attention import MERGE_PADS
-from worker_svc.layers.replicated import triton_attention as backend
+from worker_svc.layers import triton_attention as backend
 from worker_svc.sampling.logits_processor import process_logits
 from worker_svc.sampling.logprobs import logprob_tensors
 from worker_svc.sampling.sampler import sample

@@ -26,7 +26,7 @@ from scheduler_svc.engine.request import GenerationRequest, RequestOutput
 from scheduler_svc.engine.router import Router
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.workers.worker_client import StepTiming, WorkerLost
@@ -38,7 +38,7 @@ from tests.test_scheduler_memory import fake_execute as memory_fake_execute
 
 
 def scheduler(ids: itertools.count[int], num_blocks: int = 64, num_cpu_blocks: int = 0, **cfg: object) -> Scheduler:
-    bm = BlockManager(num_blocks, 4, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks, 4, num_host_blocks=num_cpu_blocks, enable_prefix_caching=True)
     return Scheduler(SchedulerConfig(**cfg), bm, 1024, frozenset({EOS}), block_bytes=1000, seq_ids=ids)  # type: ignore[arg-type]
 
 
@@ -55,7 +55,7 @@ def group(
         seq_id=seq_id,
         request_id=f"r{seq_id}",
         prompt_token_ids=prompt or [100 + 50 * seq_id + i for i in range(prompt_len)],
-        sampling=SamplingParams(n=n, best_of=n, seed=7),
+        sampling=SamplingOptions(n=n, best_of=n, seed=7),
         stopping=StoppingParams(max_tokens=max_tokens),
         arrival=arrival,
     )
@@ -85,7 +85,7 @@ def test_evacuated_groups_finish_elsewhere_with_the_tokens_they_would_have_had()
     moved = lost.evacuate()
     assert [g.key for g in moved] == sorted(g.key for g in groups)
     assert not lost.has_work
-    assert lost.block_manager.num_free_blocks == 14 and lost.block_manager.cpu.num_free == 32
+    assert lost.block_manager.num_free_blocks == 14 and lost.block_manager.host.num_free == 32
     lost.check_integrity()
     for g in moved:
         assert g.status is SequenceStatus.WAITING
@@ -117,7 +117,7 @@ def test_a_group_admitted_as_fitting_finishes_on_a_pool_of_just_that_size(
     ids = itertools.count()
     need = scheduler(ids).blocks_for_group(prompt_len, prompt_len + 12, 2)
     lost, other = scheduler(ids, num_blocks=need), scheduler(ids, num_blocks=need)
-    params = SamplingParams(**shape)  # type: ignore[arg-type]
+    params = SamplingOptions(**shape)  # type: ignore[arg-type]
     seq = Sequence(
         next(ids), "r", list(range(10, 10 + prompt_len)), params, StoppingParams(max_tokens=12, ignore_eos=True), 0
     )

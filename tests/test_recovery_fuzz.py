@@ -186,7 +186,7 @@ def reference(spec: ModelSpec, req: GenerationRequest) -> tuple[dict[int, tuple[
     assert req.seed is not None
     sampling = sampling_params(req, req.seed, limits)
     seq = Sequence(
-        s.new_seq_id(), req.request_id, list(req.prompt_token_ids), sampling, stopping_params(req), arrival=0
+        s.queues.new_seq_id(), req.request_id, list(req.prompt_token_ids), sampling, stopping_params(req), arrival=0
     )
     group = SequenceGroup(req.request_id, [seq], sampling, 0)
     s.add(group)
@@ -441,16 +441,19 @@ def describe(engine: Engine, fates: list[Fate]) -> str:
     lines = []
     for fate in fates:
         stream = engine._streams.get(fate.req.request_id)  # noqa: SLF001
-        where = "no stream" if stream is None else f"on {stream.replica.name if stream.replica else None}"
+        replica = None if stream is None else engine._streams.replica_of(stream)  # noqa: SLF001
+        where = "no stream" if stream is None else f"on {replica.name if replica else None}"
         lines.append(f"{fate.req.request_id} ({len(fate.outputs)} messages) {where}")
     for r in engine._fleet._replicas.values():  # noqa: SLF001
         queues = ""
         if r.scheduler is not None:
             s = r.scheduler
-            queues = " ".join(f"{q}={[g.request_id for g in getattr(s, q)]}" for q in ("waiting", "running", "swapped"))
+            queues = " ".join(
+                f"{q}={[g.request_id for g in getattr(s.queues, q)]}" for q in ("waiting", "running", "swapped")
+            )
             bm = s.block_manager
             queues += f" free={bm.num_free_blocks}/{bm.num_blocks} seqs={r.scheduler.config.max_num_seqs}"
-            for g in s.waiting[:1]:
+            for g in s.queues.waiting[:1]:
                 queues += (
                     f" head: width={g.width} forked={g.forked} beam={g.is_beam} prompt={g.seqs[0].num_prompt_tokens}"
                     f" tokens={[q.num_tokens for q in g.live()]} limit={g.seqs[0].token_limit}"
@@ -489,7 +492,7 @@ def check_engine(run: Run) -> None:
         sched.check_integrity()
         bm = sched.block_manager
         assert not sched.has_work, replica.name
-        assert bm.gpu.num_free == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks, replica.name
+        assert bm.device.num_free == bm.num_blocks and bm.host.num_free == bm.host.num_blocks, replica.name
     assert engine.metrics.group_names() <= {r.name for r in engine.replicas}
 
 

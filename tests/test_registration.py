@@ -123,11 +123,11 @@ async def test_a_worker_with_another_block_size_is_refused_and_exits(tiny_model_
 
 
 def test_the_registry_refuses_a_block_size_unlike_the_serving_groups() -> None:
-    from scheduler_svc.workers.worker_registry import Registration, Registry
+    from scheduler_svc.workers.worker_registry import Registration, WorkerRegistry
 
     joined: list[str] = []
     size = {"now": 0}
-    registry = Registry("m", lambda name, _: joined.append(name), lambda _: None, block_size=lambda: size["now"])
+    registry = WorkerRegistry("m", lambda name, _: joined.append(name), lambda _: None, block_size=lambda: size["now"])
     assert registry.join(Registration("a:1", "a", 0, 1, "m", block_size=32)) is None  # nothing serves yet: any size
     size["now"] = 32  # the engine adopted group a's
     refusal = registry.join(Registration("b:1", "b", 0, 1, "m", block_size=16))

@@ -90,7 +90,7 @@ async def mid_generation(s: Scheduler, w: Worker) -> None:
     """Until the worker's group runs requests that have streamed tokens (polled tightly)."""
     group = replica(s, w.address)
     deadline = time.monotonic() + 30
-    while not (group.scheduler and any(g.seqs[0].num_output_tokens >= 2 for g in group.scheduler.running)):
+    while not (group.scheduler and any(g.seqs[0].num_output_tokens >= 2 for g in group.scheduler.queues.running)):
         assert time.monotonic() < deadline, "the group never ran a request"
         await asyncio.sleep(0.002)
 

@@ -14,7 +14,7 @@ from common.config import SchedulerConfig
 from common.plan import StepPlan, StepResult
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
@@ -39,7 +39,7 @@ def make_scheduler(
     block_bytes: int = 1000,
     **cfg: object,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
+    bm = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len, frozenset({EOS}), block_bytes=block_bytes)  # type: ignore[arg-type]
 
 
@@ -48,7 +48,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int | None = 4, **stoppin
         seq_id=seq_id,
         request_id=f"r{seq_id}",
         prompt_token_ids=[100 + seq_id * 1000 + i for i in range(prompt_len)],
-        sampling=SamplingParams(),
+        sampling=SamplingOptions(),
         stopping=StoppingParams(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
         arrival=seq_id,
     )
@@ -149,9 +149,9 @@ def test_preemption_by_recompute_keeps_every_token_and_frees_everything() -> Non
     for seq in seqs:
         add(s, seq)
     drive(s)
-    assert s.num_preemptions > 0
+    assert s.queues.num_preemptions > 0
     assert seqs[0].num_preemptions == 0  # the oldest is never the victim while a later one runs
-    assert sum(seq.num_preemptions for seq in seqs[1:]) == s.num_preemptions
+    assert sum(seq.num_preemptions for seq in seqs[1:]) == s.queues.num_preemptions
     for seq in seqs:
         assert seq.output_token_ids == expected_output(4, 8)
         assert seq.finish_reason is FinishReason.LENGTH
@@ -208,8 +208,9 @@ def test_abort_frees_running_and_waiting_sequences() -> None:
     assert plan is not None
     s.update(plan, fake_execute(plan))
     assert s.block_manager.num_used_blocks == 2
-    assert s.abort(0) is a.group and a.status is SequenceStatus.FINISHED and a.finish_reason is FinishReason.ABORTED
-    assert s.abort(1) is b.group
+    group_a, group_b = s.queues.group_of(a), s.queues.group_of(b)
+    assert s.abort(0) is group_a and a.status is SequenceStatus.FINISHED and a.finish_reason is FinishReason.ABORTED
+    assert s.abort(1) is group_b
     assert s.abort(1) is None
     assert not s.has_work and s.block_manager.num_free_blocks == s.block_manager.num_blocks
     s.check_integrity()

@@ -18,7 +18,7 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_registry import Adapter
 from scheduler_svc.sched.plan_builder import PlanBuilder
 from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.sequence import SamplingParams, Sequence, SequenceStatus, StoppingParams
+from scheduler_svc.sched.sequence import SamplingOptions, Sequence, SequenceStatus, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
 
 EOS = 2
@@ -71,7 +71,7 @@ class SlotWorker:
 
 
 def make_scheduler(num_slots: int = 2, num_blocks: int = 200, num_cpu_blocks: int = 64, **cfg: object) -> Scheduler:
-    bm = BlockManager(num_blocks, 4, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks, 4, num_host_blocks=num_cpu_blocks, enable_prefix_caching=True)
     config = SchedulerConfig(**cfg)  # type: ignore[arg-type]
     return Scheduler(config, bm, 1024, frozenset({EOS}), block_bytes=1000, num_lora_slots=num_slots)
 
@@ -85,9 +85,9 @@ def add(
     max_tokens: int = 6,
     priority: int = 0,
 ) -> SequenceGroup:
-    params = SamplingParams()
+    params = SamplingOptions()
     prompt = prompt if prompt is not None else [100 + rid * 50 + i for i in range(9)]
-    seq = Sequence(s.new_seq_id(), f"r{rid}", list(prompt), params, StoppingParams(max_tokens=max_tokens), rid)
+    seq = Sequence(s.queues.new_seq_id(), f"r{rid}", list(prompt), params, StoppingParams(max_tokens=max_tokens), rid)
     group = SequenceGroup(seq.request_id, [seq], params, rid, priority=priority, adapter=lora)
     s.add(group)
     worker.groups[seq.seq_id] = group
@@ -117,7 +117,7 @@ def drain(s: Scheduler, worker: SlotWorker, pipelined: bool = False) -> None:
             break
     assert not s.has_work and not in_flight
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
-    assert sum(s.adapter_slots.refs) == 0
+    assert sum(s.queues.adapter_slots.refs) == 0
 
 
 def expected(group: SequenceGroup) -> list[int]:
@@ -151,7 +151,7 @@ def test_mixed_base_and_three_adapters_over_two_slots(seed: int, num_blocks: int
         assert group.seqs[0].num_output_tokens > 0
     assert s.num_adapter_loads == len(worker.loads) >= 3  # every load reached the worker
     if num_blocks == 20:
-        assert s.num_preemptions > 0  # the small pool did preempt
+        assert s.queues.num_preemptions > 0  # the small pool did preempt
     assert s.block_manager.num_free_blocks == num_blocks
 
 
@@ -217,7 +217,7 @@ def test_priority_preempts_for_blocks_never_for_a_slot() -> None:
     in_flight: deque[StepPlan] = deque()
     step(s, worker, in_flight, False)
     assert low.status is SequenceStatus.RUNNING and high.status is SequenceStatus.WAITING
-    assert s.num_preemptions == 0
+    assert s.queues.num_preemptions == 0
     drain(s, worker)
     assert high.seqs[0].output_token_ids == expected(high)
 
@@ -230,12 +230,12 @@ def test_preemption_releases_the_slot_and_resuming_reacquires_it(mode: str) -> N
     first = add(s, worker, 0, A, max_tokens=12)
     second = add(s, worker, 1, B, max_tokens=12)
     in_flight: deque[StepPlan] = deque()
-    while s.num_preemptions == 0:
+    while s.queues.num_preemptions == 0:
         assert step(s, worker, in_flight, False)
     want = SequenceStatus.SWAPPED if mode == "swap" else SequenceStatus.WAITING
     assert second.status is want and first.status is SequenceStatus.RUNNING
-    assert s.adapter_slots.refs == [1, 0]  # b's slot is idle, b still resident
-    assert s.adapter_slots.resident == {("a", 1): 0, ("b", 1): 1}
+    assert s.queues.adapter_slots.refs == [1, 0]  # b's slot is idle, b still resident
+    assert s.queues.adapter_slots.resident == {("a", 1): 0, ("b", 1): 1}
     drain(s, worker)
     assert s.num_adapter_loads == 2  # b came back to its idle slot without a load
     assert [g.seqs[0].output_token_ids == expected(g) for g in (first, second)] == [True, True]
@@ -248,7 +248,7 @@ def test_a_preempted_group_may_come_back_in_another_slot() -> None:
     second = add(s, worker, 1, A, max_tokens=12)
     third = add(s, worker, 2, A, max_tokens=12)
     drain(s, worker)
-    assert s.num_preemptions > 0 and s.num_adapter_loads == 1
+    assert s.queues.num_preemptions > 0 and s.num_adapter_loads == 1
     assert all(g.seqs[0].output_token_ids == expected(g) for g in (first, second, third))
 
 
@@ -258,11 +258,11 @@ def test_abort_frees_the_slot() -> None:
     a = add(s, worker, 0, A, max_tokens=50)
     b = add(s, worker, 1, B)
     step(s, worker, deque(), False)
-    assert s.adapter_slots.refs == [1]
+    assert s.queues.adapter_slots.refs == [1]
     s.abort(b.group_id)  # waiting: held nothing
-    assert s.adapter_slots.refs == [1]
+    assert s.queues.adapter_slots.refs == [1]
     s.abort(a.group_id)
-    assert s.adapter_slots.refs == [0]
+    assert s.queues.adapter_slots.refs == [0]
     s.check_integrity()
     c = add(s, worker, 2, C)
     drain(s, worker)
@@ -331,7 +331,7 @@ def test_a_reregistered_adapter_does_not_hit_its_predecessors_cache() -> None:
 
 
 def test_router_and_queue_estimates_use_the_adapters_chain() -> None:
-    from scheduler_svc.kv.block_manager import extend_chain
+    from scheduler_svc.kv.prefix_chain import extend_chain
 
     salted: list[int] = []
     plain: list[int] = []
@@ -359,7 +359,7 @@ def test_evacuate_forgets_the_slots_and_the_next_scheduler_loads_again() -> None
     group = add(s, worker, 0, A, max_tokens=10)
     step(s, worker, deque(), False)
     assert s.evacuate() == [group]
-    assert s.adapter_slots.refs == [0, 0] and s.adapter_slots.resident == {}
+    assert s.queues.adapter_slots.refs == [0, 0] and s.queues.adapter_slots.resident == {}
     s.check_integrity()
     other = make_scheduler(2)
     fresh = SlotWorker(2)
@@ -373,11 +373,11 @@ def test_evacuate_forgets_the_slots_and_the_next_scheduler_loads_again() -> None
 def test_the_builder_sees_a_slot_change_under_the_same_rows() -> None:
     """Rows' slots are cached with the other static fields; a load or reset must refresh them."""
     s = make_scheduler(2)
-    bm, slots = s.block_manager, s.adapter_slots
-    builder = PlanBuilder(bm, slots)
-    params = SamplingParams()
+    bm, slots = s.block_manager, s.queues.adapter_slots
+    params = SamplingOptions()
     seq = Sequence(0, "r0", [5, 6, 7], params, StoppingParams(max_tokens=4), 0)
-    SequenceGroup("r0", [seq], params, 0, adapter=B)
+    group = SequenceGroup("r0", [seq], params, 0, adapter=B)
+    builder = PlanBuilder(bm, slots, {group.group_id: group})
     bm.allocate(0, 3, 0)
     slots.acquire(B)
     assert builder.build(0, [seq], [3]).lora_slots.tolist() == [0]

@@ -15,9 +15,10 @@ from common.config import SchedulerConfig
 from common.plan import StepPlan, StepResult
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.preemption import PreemptionMode, PreemptionPolicy
-from scheduler_svc.sched.scheduler import Scheduler, TokenEvent
-from scheduler_svc.sched.sequence import FinishReason, SamplingParams, Sequence, StoppingParams
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.sched.token_events import TokenEvent
 
 EOS = 2
 VOCAB = 50
@@ -87,16 +88,16 @@ def make_scheduler(
     max_model_len: int = 1024,
     **cfg: object,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
+    bm = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len, frozenset({EOS}), block_bytes=block_bytes)  # type: ignore[arg-type]
 
 
 def make_group(
     s: Scheduler, prompt: list[int], max_tokens: int | None, arrival: int, priority: int = 0, **sampling: object
 ) -> SequenceGroup:
-    params = SamplingParams(**sampling)  # type: ignore[arg-type]
+    params = SamplingOptions(**sampling)  # type: ignore[arg-type]
     seq = Sequence(
-        s.new_seq_id(),
+        s.queues.new_seq_id(),
         f"r{arrival}",
         list(prompt),
         params,
@@ -123,7 +124,7 @@ def drive(s: Scheduler, max_steps: int = 5000) -> tuple[list[StepPlan], list[Tok
         plans.append(plan)
     assert not s.has_work
     bm = s.block_manager
-    assert bm.gpu.num_free == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
+    assert bm.device.num_free == bm.num_blocks and bm.host.num_free == bm.host.num_blocks
     return plans, events
 
 
@@ -142,12 +143,12 @@ def test_preempted_requests_produce_exactly_their_undisturbed_tokens(mode: str) 
     s = make_scheduler(num_blocks=14, num_cpu_blocks=40, preemption_mode=mode)
     groups = [make_group(s, prompt_of(i, 5 + i % 3), 10, i) for i in range(6)]
     plans, _ = drive(s)
-    assert s.num_preemptions > 0
+    assert s.queues.num_preemptions > 0
     if mode == "swap":
-        assert s.num_swap_preemptions == s.num_preemptions
+        assert s.queues.num_swap_preemptions == s.queues.num_preemptions
         assert any(p.swap_out.size for p in plans) and any(p.swap_in.size for p in plans)
     if mode == "recompute":
-        assert s.num_recompute_preemptions == s.num_preemptions
+        assert s.queues.num_recompute_preemptions == s.queues.num_preemptions
         assert not any(p.swap_out.size or p.swap_in.size for p in plans)
     for i, g in enumerate(groups):
         assert g.seqs[0].output_token_ids == outputs_alone(prompt_of(i, 5 + i % 3), 10)[0]
@@ -158,8 +159,8 @@ def test_a_full_swap_pool_falls_back_to_recompute_and_both_are_counted() -> None
     s = make_scheduler(num_blocks=14, num_cpu_blocks=4, preemption_mode="auto", block_bytes=1)
     groups = [make_group(s, prompt_of(i, 6), 10, i) for i in range(6)]
     drive(s)
-    assert s.num_swap_preemptions > 0 and s.num_recompute_preemptions > 0
-    assert sum(g.num_swaps for g in groups) == s.num_swap_preemptions
+    assert s.queues.num_swap_preemptions > 0 and s.queues.num_recompute_preemptions > 0
+    assert sum(g.num_swaps for g in groups) == s.queues.num_swap_preemptions
     assert sum(g.swapped_blocks for g in groups) > 0
 
 
@@ -281,7 +282,7 @@ def test_repeated_prompt_is_served_from_the_prefix_cache() -> None:
     assert plans[0].context_lens.tolist() == [16] and plans[0].query_lens.tolist() == [2]
     assert second.prefix_hit_tokens == 16 and first.prefix_hit_tokens == 0
     assert second.seqs[0].output_token_ids == first.seqs[0].output_token_ids
-    assert s.prefix_hit_tokens == 16 and s.prefix_queried_tokens == 36
+    assert s.queues.prefix_hit_tokens == 16 and s.queues.prefix_queried_tokens == 36
 
 
 def test_prefix_caching_off_computes_everything() -> None:
@@ -383,7 +384,7 @@ def test_a_forked_group_recomputed_under_pressure_comes_back_sharing_its_prompt(
     urgent = make_group(s, prompt_of(1, 56), 8, 1, priority=0)
     later = make_group(s, prompt_of(2, 8), 4, 2, priority=1)
     drive(s, max_steps=300)
-    assert group.num_preemptions >= 1 and s.num_recompute_preemptions >= 1
+    assert group.num_preemptions >= 1 and s.queues.num_recompute_preemptions >= 1
     assert urgent.is_finished and later.is_finished
     if group.beam is not None:
         assert ref.beam is not None
@@ -399,7 +400,7 @@ def test_a_group_that_preempts_itself_comes_back_in_a_later_step() -> None:
         plan = s.schedule()
         assert plan is not None
         s.update(plan, fake_execute(plan))
-    s.preempt(group)  # as if the step had no room left for it
+    s.queues.preempt(group, s.next_step_id)  # as if the step had no room left for it
     plan = s.schedule()
     assert plan is not None and plan.num_seqs == 0  # the step ends; nothing waits forever
     s.update(plan, fake_execute(plan))
@@ -460,7 +461,7 @@ def test_prompt_scores_survive_recompute_and_forks_exactly_once(prompt_len: int,
         plan = s.schedule()
         assert plan is not None
         s.update(plan, _scoring_worker(plan))
-    s.preempt(group)
+    s.queues.preempt(group, s.next_step_id)
     while (plan := s.schedule()) is not None:
         s.update(plan, _scoring_worker(plan))
         s.check_integrity()

@@ -25,6 +25,7 @@ from tests.conftest import (
     start_worker,
     stop_scheduler,
 )
+from tests.engine_state import first_scheduler
 
 
 async def test_stream_delivers_every_token_then_the_finish_reason(tiny_scheduler: Scheduler) -> None:
@@ -126,17 +127,17 @@ async def test_cancelled_stream_frees_its_blocks_within_one_step(tiny_scheduler:
     call = tiny_scheduler.stub.Generate(request(ids=list(range(100, 140)), max_tokens=400, ignore_eos=True))
     for _ in range(3):
         await call.read()
-    bm = engine.scheduler.block_manager
+    bm = first_scheduler(engine).block_manager
     assert bm.num_used_blocks > 0
-    step_at_cancel = engine.scheduler._next_step_id
+    step_at_cancel = first_scheduler(engine)._next_step_id
     call.cancel()
     deadline = asyncio.get_running_loop().time() + 10
     while bm.num_used_blocks and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.001)
     assert bm.num_used_blocks == 0
     # the step in flight at cancel time may finish; the abort lands at the next boundary
-    assert engine.scheduler._next_step_id - step_at_cancel <= 2
-    assert not engine.scheduler.has_work
+    assert first_scheduler(engine)._next_step_id - step_at_cancel <= 2
+    assert not first_scheduler(engine).has_work
 
 
 async def test_client_deadline_aborts_the_request(tiny_scheduler: Scheduler) -> None:
@@ -179,11 +180,11 @@ async def test_preemption_under_a_small_pool_keeps_outputs_exact(tiny_model_dir:
         await s.wait_ready()
         prompts = [[200 + 11 * i + k for k in range(20)] for i in range(6)]
         solo = [await collect(s.stub, request(ids=p, max_tokens=44, ignore_eos=True)) for p in prompts]
-        assert s.engine.scheduler.num_preemptions == 0
+        assert first_scheduler(s.engine).queues.num_preemptions == 0
         together = await asyncio.gather(
             *(collect(s.stub, request(ids=p, max_tokens=44, ignore_eos=True)) for p in prompts)
         )
-        assert s.engine.scheduler.num_preemptions > 0
+        assert first_scheduler(s.engine).queues.num_preemptions > 0
         assert [g.token_ids for g in together] == [g.token_ids for g in solo]
         assert [g.text for g in together] == [g.text for g in solo]
         # A request that could never fit the pool is refused at once.
@@ -233,7 +234,7 @@ async def test_worker_lost_mid_stream_gives_aborted_then_unavailable(tiny_model_
         with pytest.raises(grpc.aio.AioRpcError) as err2:
             await collect(s.stub, request(ids=[1, 2], max_tokens=2))
         assert err2.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert s.engine.scheduler is None and not s.engine._streams
+        assert first_scheduler(s.engine) is None and not s.engine._streams
         from prometheus_client import generate_latest
 
         gauges = generate_latest(s.engine.metrics.registry).decode()

@@ -312,9 +312,9 @@ async def test_a_tiny_pool_preempts_constrained_sequences_and_they_stay_valid(ti
         req = request(f"{PROMPT} {i} " + "numbers " * 30, max_tokens=400, temperature=1.0, seed=i)
         req.structured_output.CopyFrom(pb.StructuredOutput(json_schema=json.dumps(schema)))
         reqs.append(req)
-    before = sum(r.scheduler.num_preemptions for r in tiny_scheduler.engine.replicas)
+    before = sum(r.scheduler.queues.num_preemptions for r in tiny_scheduler.engine.replicas)
     results = await asyncio.gather(*(collect(tiny_scheduler.stub, r) for r in reqs))
-    assert sum(r.scheduler.num_preemptions for r in tiny_scheduler.engine.replicas) > before
+    assert sum(r.scheduler.queues.num_preemptions for r in tiny_scheduler.engine.replicas) > before
     for got in results:
         jsonschema.validate(json.loads(got.text), schema)
 
@@ -394,8 +394,7 @@ def test_masks_apply_after_the_bias_and_only_to_their_rows() -> None:
 
 
 def test_masks_travel_through_both_wires_and_bad_ones_are_refused() -> None:
-    from scheduler_svc.api import generation_wire as scheduler_wire
-    from worker_svc.service import wire as worker_wire
+    from common import worker_wire
 
     plan = make_plan(4, [Feed(1, [5, 6], 0, [0]), Feed(2, [7], 3, [1]), Feed(3, [8], 2, [2])])
     masks = _packed([[1, 2], [49154]], 49155)
@@ -403,7 +402,7 @@ def test_masks_travel_through_both_wires_and_bad_ones_are_refused() -> None:
         plan, sampling=dataclasses.replace(plan.sampling, mask_rows=np.array([1, -1, 0], np.int32), token_masks=masks)
     )
     plan.validate()
-    back = worker_wire.step_plan(worker_pb.StepPlan.FromString(scheduler_wire.step_plan(plan).SerializeToString()))
+    back = worker_wire.decode_plan(worker_pb.StepPlan.FromString(worker_wire.encode_plan(plan).SerializeToString()))
     assert np.array_equal(back.sampling.mask_rows, [1, -1, 0]) and np.array_equal(back.sampling.token_masks, masks)
     for rows in ([0, 0, -1], [0, -1, -1], [-2, 0, 1], [0, 1], [1, -1, 5]):
         bad = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, mask_rows=np.array(rows, np.int32)))
@@ -474,14 +473,14 @@ def test_a_token_the_grammar_refuses_ends_the_output_without_showing_it(smollm2_
     from common.errors import Aborted
     from scheduler_svc.engine.live_streams import LiveStreams
     from scheduler_svc.engine.metrics import SchedulerMetrics
+    from scheduler_svc.engine.replica import Replica
     from scheduler_svc.engine.request_stream import RequestStream
     from scheduler_svc.engine.step_reporter import StepReporter
     from scheduler_svc.text.tokenizer import Tokenizer
 
-    assert seq.group is not None
     streams = LiveStreams()
-    stream = RequestStream(seq.group, Tokenizer(smollm2_dir), 1000)
-    streams.add(stream)
+    stream = RequestStream(event.group, Tokenizer(smollm2_dir), 1000)
+    streams.add(stream, Replica("r", worker=None))  # type: ignore[arg-type]
     StepReporter(SchedulerMetrics("m"), streams).emit(s, [event])
     items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
     assert len(items) == 2 and isinstance(items[0], Aborted) and "grammar" in str(items[0]) and items[1] is None

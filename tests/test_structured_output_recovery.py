@@ -59,7 +59,7 @@ async def constrained_mid_stream(s: Scheduler, w: Worker, timeout: float = 30.0)
     deadline = time.monotonic() + timeout
     while True:
         sched = replica(s, w.address).scheduler
-        running = [g.seqs[0] for g in sched.running] if sched is not None else []
+        running = [g.seqs[0] for g in sched.queues.running] if sched is not None else []
         if any(q.grammar is not None and is_long(q) and q.num_output_tokens >= 3 for q in running):
             return [q for q in running if q.grammar is not None and q.num_output_tokens >= 1]
         assert time.monotonic() < deadline, "the group never ran a long constrained request"

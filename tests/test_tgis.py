@@ -22,12 +22,13 @@ from google.protobuf import descriptor_pb2
 from common.pb.fmaas import generation_pb2 as tgis
 from common.pb.fmaas import generation_pb2_grpc as tgis_grpc
 from common.pb.llmserve.v1 import generation_pb2 as pb
-from llmserve.cli import cache_root
+from llmserve.cli.configs import cache_root
 from scheduler_svc.api import tgis_wire
 from scheduler_svc.engine.request import RequestOutput
 from scheduler_svc.sched.sequence import FinishReason
 from scheduler_svc.text.structured_output import StructuredOutput
 from tests.conftest import REPO, Scheduler, collect, request
+from tests.engine_state import first_scheduler
 from tests.test_structured_output import PROMPT as GUIDED_PROMPT
 from tests.test_structured_output import SCHEMAS
 
@@ -153,7 +154,7 @@ async def test_cancelled_stream_frees_its_blocks(tiny_scheduler: Scheduler) -> N
     call = stub(tiny_scheduler).GenerateStream(single("1, 2, 3", params(400)))
     for _ in range(3):
         await call.read()
-    assert tiny_scheduler.engine.scheduler.block_manager.num_used_blocks > 0
+    assert first_scheduler(tiny_scheduler.engine).block_manager.num_used_blocks > 0
     call.cancel()
     await tiny_scheduler.wait_idle(10.0)
 

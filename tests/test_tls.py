@@ -23,7 +23,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.config import SchedulerConfig, ServerConfig, TlsClientConfig, TlsConfig
 from common.grpc.tls import open_channel
 from common.pb.llmserve.v1 import generation_pb2_grpc
-from llmserve.cli import _client_tls_config, _parser, _server_config, _tls_config
+from llmserve.cli.configs import client_tls_config, server_config, tls_config
+from llmserve.cli.parser import build_parser
 from scheduler_svc.api.server import SchedulerServer
 from tests.conftest import REPO, WorkerProcess, collect, request, start_worker
 
@@ -326,7 +327,7 @@ def test_tls_configs_refuse_missing_files_and_lone_halves(pki: Pki, tmp_path: Pa
 
 
 def test_cli_flags_build_the_configs(pki: Pki) -> None:
-    a = _parser().parse_args(
+    a = build_parser().parse_args(
         [
             "scheduler",
             "--worker",
@@ -348,31 +349,29 @@ def test_cli_flags_build_the_configs(pki: Pki) -> None:
             "worker.internal",
         ]
     )
-    assert _server_config(a) == ServerConfig(
+    assert server_config(a) == ServerConfig(
         host="127.0.0.1", port=50051, tls=TlsConfig(pki.server_cert, pki.server_key, pki.ca), reflection=False
     )
-    assert _client_tls_config(a, "worker") == TlsClientConfig(
-        pki.ca, pki.client_cert, pki.client_key, "worker.internal"
-    )
-    plain = _parser().parse_args(["scheduler", "--worker", "10.0.0.2:50052"])
-    assert _server_config(plain) == ServerConfig(host="127.0.0.1", port=50051)
-    assert _client_tls_config(plain, "worker") is None
+    assert client_tls_config(a, "worker") == TlsClientConfig(pki.ca, pki.client_cert, pki.client_key, "worker.internal")
+    plain = build_parser().parse_args(["scheduler", "--worker", "10.0.0.2:50052"])
+    assert server_config(plain) == ServerConfig(host="127.0.0.1", port=50051)
+    assert client_tls_config(plain, "worker") is None
     for command in (["worker"], ["up"]):
-        a = _parser().parse_args(
+        a = build_parser().parse_args(
             [*command, "--no-reflection", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key]
         )
-        assert _tls_config(a) == TlsConfig(pki.server_cert, pki.server_key) and a.no_reflection
+        assert tls_config(a) == TlsConfig(pki.server_cert, pki.server_key) and a.no_reflection
     with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert and --tls-key"):
-        _tls_config(_parser().parse_args(["worker", "--tls-client-ca", pki.ca]))
+        tls_config(build_parser().parse_args(["worker", "--tls-client-ca", pki.ca]))
     with pytest.raises(ValueError, match="--worker-tls-cert and --worker-tls-key go together"):
-        _client_tls_config(
-            _parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]), "worker"
+        client_tls_config(
+            build_parser().parse_args(["scheduler", "--worker", "w:1", "--worker-tls-key", pki.client_key]), "worker"
         )
-    a = _parser().parse_args(
+    a = build_parser().parse_args(
         ["worker", "--scheduler", "s:1", "--scheduler-tls-ca", pki.ca, "--scheduler-tls-server-name", "s"]
     )
-    assert _client_tls_config(a, "scheduler") == TlsClientConfig(ca=pki.ca, server_name="s")
-    assert _client_tls_config(_parser().parse_args(["worker"]), "scheduler") is None
+    assert client_tls_config(a, "scheduler") == TlsClientConfig(ca=pki.ca, server_name="s")
+    assert client_tls_config(build_parser().parse_args(["worker"]), "scheduler") is None
 
 
 def test_tls_cert_without_key_is_refused_before_anything_starts(pki: Pki) -> None:

@@ -24,11 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from scheduler_svc.api import vllm_wire
+from scheduler_svc.api import vllm_kv_wire, vllm_wire
 from scheduler_svc.engine.kv_event_log import CacheCleared, KvBatch, KvEventLog
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.kv.kv_events import BlockRemoved, BlockStored, KvEventQueue
 from tests.conftest import Scheduler, WorkerProcess, collect, request
+from tests.engine_state import first_scheduler
 from tests.test_structured_output import PROMPT as GUIDED_PROMPT
 from tests.test_structured_output import SCHEMAS
 
@@ -374,7 +375,7 @@ async def test_cancel_mid_stream_frees_every_block(tiny_scheduler: Scheduler) ->
     call = stub(tiny_scheduler).Generate(generate(list(range(100, 140)), max_tokens=400, ignore_eos=True))
     for _ in range(3):
         assert (await call.read()).WhichOneof("response") == "chunk"
-    assert tiny_scheduler.engine.scheduler.block_manager.num_used_blocks > 0
+    assert first_scheduler(tiny_scheduler.engine).block_manager.num_used_blocks > 0
     call.cancel()
     await tiny_scheduler.wait_idle(10.0)
 
@@ -446,7 +447,7 @@ async def test_get_loads_reports_each_worker_group(tiny_scheduler: Scheduler) ->
     assert idle.dp_rank_count == 1 and idle.timestamp
     (load,) = idle.loads
     assert (load.dp_rank, load.num_running_reqs, load.num_waiting_reqs, load.token_usage) == (0, 0, 0, 0.0)
-    bm = tiny_scheduler.engine.scheduler.block_manager
+    bm = first_scheduler(tiny_scheduler.engine).block_manager
     assert load.max_total_num_tokens == bm.num_blocks * bm.block_size and load.max_running_requests > 0
 
     prompt = list(range(300, 340))
@@ -484,17 +485,17 @@ async def test_get_tokenizer_streams_the_model_dirs_files(tiny_scheduler: Schedu
 
 
 async def test_flush_cache_forgets_cached_blocks_only_when_idle(tiny_scheduler: Scheduler) -> None:
-    bm = tiny_scheduler.engine.scheduler.block_manager
+    bm = first_scheduler(tiny_scheduler.engine).block_manager
     await run(tiny_scheduler, generate(list(range(400, 440)), max_tokens=2))
-    assert bm.gpu.num_cached >= 2
+    assert bm.device.num_cached >= 2
     call = stub(tiny_scheduler).Generate(generate(max_tokens=400, ignore_eos=True))
     await call.read()
     busy = await stub(tiny_scheduler).FlushCache(common_pb2.FlushCacheRequest())
-    assert not busy.success and "in flight" in busy.message and bm.gpu.num_cached >= 2
+    assert not busy.success and "in flight" in busy.message and bm.device.num_cached >= 2
     call.cancel()
     flushed = await stub(tiny_scheduler).FlushCache(common_pb2.FlushCacheRequest(timeout_s=10))
     assert flushed.success, flushed.message
-    assert bm.gpu.num_cached == 0 and not bm.indexed_hashes()
+    assert bm.device.num_cached == 0 and not bm.indexed_hashes()
     bm.check_integrity()
 
 
@@ -503,7 +504,7 @@ async def next_batch(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
 
 
 async def test_kv_events_report_stored_and_removed_blocks(tiny_scheduler: Scheduler) -> None:
-    bm = tiny_scheduler.engine.scheduler.block_manager
+    bm = first_scheduler(tiny_scheduler.engine).block_manager
     size = bm.block_size
     events = stub(tiny_scheduler).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
     await events.initial_metadata()  # subscribed
@@ -631,7 +632,7 @@ def test_kv_batches_chain_consecutive_stores() -> None:
             CacheCleared(),
         ),
     )
-    msg = vllm_wire.kv_batch(batch)
+    msg = vllm_kv_wire.kv_batch(batch)
     kinds = [e.WhichOneof("data") for e in msg.events]
     assert (msg.sequence_number, kinds) == (9, ["stored", "stored", "removed", "cleared"])
     assert [b.block_hash for b in msg.events[0].stored.blocks] == [11, 12] and not msg.events[0].stored.HasField(

@@ -9,12 +9,12 @@ import grpc
 
 from common.pb.llmserve.v1 import registry_pb2 as reg_pb
 from common.pb.llmserve.v1 import registry_pb2_grpc
-from scheduler_svc.api import generation_wire as wire
-from scheduler_svc.workers.worker_registry import Registry
+from scheduler_svc.api import registry_wire as wire
+from scheduler_svc.workers.worker_registry import WorkerRegistry
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: WorkerRegistry) -> None:
         self._registry = registry
 
     async def Register(  # noqa: N802 (gRPC method name)

@@ -27,7 +27,7 @@ from scheduler_svc.text.chat_template import ChatTemplate
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.workers.rank_links import RankLinks
 from scheduler_svc.workers.worker_client import WorkerClient
-from scheduler_svc.workers.worker_registry import Registry
+from scheduler_svc.workers.worker_registry import WorkerRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +67,7 @@ class SchedulerServer:
             chat_template=ChatTemplate.from_dir(model_dir),
             worker_factory=lambda addresses: _worker(",".join(addresses), step_timeout, worker_tls, health_interval),
         )
-        self.registry = Registry(
+        self.registry = WorkerRegistry(
             spec.name, self.engine.attach_group, self.engine.detach_group, block_size=lambda: self.engine.block_size
         )
         # Metrics outermost: an error is counted under the status code the client saw.

@@ -29,11 +29,10 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from common.errors import Cancelled, InvalidArgument, Unavailable, Unimplemented
-from scheduler_svc.api import vllm_wire
+from scheduler_svc.api import vllm_kv_wire, vllm_state_wire, vllm_wire
 from scheduler_svc.api.generation_servicer import bind_trace, end_cause, trace_headers
 from scheduler_svc.api.vllm_wire import GenerateCall
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.kv_event_log import KvEventLog
 from scheduler_svc.engine.request import GenerationRequest, RequestOutput, TokenLogprob
 from scheduler_svc.text.tokenizer_bundle import TokenizerBundle, build_bundle
 
@@ -75,7 +74,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._engine = engine
         self._started = time.monotonic()
         self._last_receive = 0.0
-        self._kv_log = KvEventLog(engine.block_managers)
+        self._kv_log = engine.kv_event_log
         self._bundle: TokenizerBundle | None = None
 
     # ---- generation ----
@@ -209,13 +208,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def HealthCheck(  # noqa: N802
         self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthCheckResponse:
-        return vllm_wire.health(self._engine.ready, self._engine.draining)
+        return vllm_state_wire.health(self._engine.ready, self._engine.draining)
 
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         spec = self._engine.spec
-        return vllm_wire.model_info(
+        return vllm_state_wire.model_info(
             self._engine.model_info(),
             spec.path,
             spec.model_type,
@@ -229,7 +228,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> pb.GetServerInfoResponse:
         engine = self._engine
         info = next((r.info for r in engine.replicas if r.info is not None), None)
-        return vllm_wire.server_info(
+        return vllm_state_wire.server_info(
             active_requests=engine.num_requests,
             draining=engine.draining,
             last_receive_timestamp=self._last_receive,
@@ -250,7 +249,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise InvalidArgument(
                 "dp_rank", f"{dp_rank} is not one of the {len(activity)} worker groups (0..{len(activity) - 1})"
             )
-        return vllm_wire.loads(activity, dp_rank, datetime.now(UTC).isoformat(), _version())
+        return vllm_state_wire.loads(activity, dp_rank, datetime.now(UTC).isoformat(), _version())
 
     async def GetTokenizer(  # noqa: N802
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
@@ -258,7 +257,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if self._bundle is None:
             # Zipping a few MB takes a moment: not on the event loop the engine runs on.
             self._bundle = await asyncio.to_thread(build_bundle, self._engine.spec.path)
-        for chunk in vllm_wire.tokenizer_chunks(self._bundle):
+        for chunk in vllm_state_wire.tokenizer_chunks(self._bundle):
             yield chunk
 
     # ---- prefix cache ----
@@ -271,7 +270,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         while engine.num_requests and time.monotonic() < deadline:
             await asyncio.sleep(FLUSH_POLL_S)
         forgotten, busy = await engine.flush_prefix_cache()
-        return vllm_wire.flush_response(forgotten, busy, engine.num_requests)
+        return vllm_kv_wire.flush_response(forgotten, busy, engine.num_requests)
 
     async def SubscribeKvEvents(  # noqa: N802
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
@@ -291,7 +290,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # Headers now tell the subscriber that every later cache change reaches it.
             await context.send_initial_metadata(())
             async for batch in batches:
-                yield vllm_wire.kv_batch(batch)
+                yield vllm_kv_wire.kv_batch(batch)
 
     # ---- profiling ----
 

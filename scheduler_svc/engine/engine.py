@@ -22,6 +22,7 @@ from common.config import SchedulerConfig
 from common.errors import Cancelled, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
 from scheduler_svc.engine.fleet import Fleet
+from scheduler_svc.engine.kv_event_log import KvEventLog
 from scheduler_svc.engine.live_streams import LiveStreams
 from scheduler_svc.engine.load import GroupActivity, Load, ModelInfo
 from scheduler_svc.engine.metrics import SchedulerMetrics
@@ -38,7 +39,6 @@ from scheduler_svc.engine.request import (
 from scheduler_svc.engine.request_stream import TRACE_FIELDS, RequestStream
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_registry import Adapter, AdapterRegistry
-from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
 from scheduler_svc.text.chat_template import ChatTemplate
@@ -75,6 +75,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._draining = False
         self._grammars = GrammarCompiler(spec.path, spec.vocab_size, spec.eos_token_ids, config.json_max_whitespace)
+        # The prefix cache's events of every serving group, for subscribers (the gateway's
+        # cache-aware routing); polled only while someone subscribes.
+        self.kv_event_log = KvEventLog(self._block_managers)
         self.adapters = AdapterRegistry(spec.path, config.max_lora_rank, config.enable_lora)
         for name, path in config.lora_modules:  # a bad one stops the server at start, with its reason
             self.adapters.load(name, path)
@@ -106,15 +109,10 @@ class Engine:
     def draining(self) -> bool:
         return self._draining
 
-    def block_managers(self) -> list[BlockManager]:
+    def _block_managers(self) -> list[BlockManager]:
         """The serving groups' block managers, for the KV event log: it drains their event
         queues and reads their index, and changes nothing else."""
         return [r.scheduler.block_manager for r in self.replicas if r.scheduler is not None]
-
-    @property
-    def scheduler(self) -> Scheduler | None:
-        """The first serving group's scheduler (the only one with a single worker group)."""
-        return next((r.scheduler for r in self.replicas), None)
 
     # ---- lifecycle ----
 
@@ -248,8 +246,8 @@ class Engine:
         # The caller's trace ids (bound by the API handler) go on the request's lines that the
         # step loop writes too, which runs in another task.
         trace = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in TRACE_FIELDS}
-        stream = RequestStream(group, self.tokenizer, target.block_bytes, replica=target, trace=trace)
-        self._streams.add(stream)
+        stream = RequestStream(group, self.tokenizer, target.block_bytes, trace=trace)
+        self._streams.add(stream, target)
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
         if adapter is not None:
@@ -359,7 +357,7 @@ class Engine:
         newer request that reuses the id. It goes to the group the request is on now, not to a
         newer group registered under the same name while that one tears down.
         """
-        replica = stream.replica
+        replica = self._streams.replica_of(stream)
         if replica is not None and self._fleet.holds(replica):
             replica.post(stream)
         else:

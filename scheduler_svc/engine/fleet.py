@@ -1,15 +1,8 @@
-"""The worker groups the engine serves with: connecting to each, its loop, and recovery.
+"""The worker groups the engine serves with: connecting to each, its step loop, and recovery.
 
 Each worker group (`Replica`: one worker, or the ranks of a tensor-parallel group) has its own
-scheduler and block manager and a loop task that is the only code touching them:
-
-    while True:
-        apply queued adds and aborts          (handlers only append to the group's inbox)
-        plan = scheduler.schedule(); send it  (and the next one too, if it can be planned
-                                               before this one's result: two in flight)
-        result = await the oldest plan's result
-        events = scheduler.update(plan, result)
-        detokenize, match stop strings, stream to each request's queue
+scheduler and block manager, and a task running its `StepLoop` (`step_loop.py`), the only
+code touching them.
 
 A group is lost when its stream breaks, it misses the step deadline, it fails its health
 checks, or it deregisters. Its requests then move with their tokens to the other groups'
@@ -21,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -30,19 +21,19 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Aborted, Unavailable
 from common.model_spec import ModelSpec
-from common.plan import StepPlan
 from common.worker_info import WorkerInfo
 from scheduler_svc.engine.live_streams import LiveStreams
 from scheduler_svc.engine.metrics import SchedulerMetrics
-from scheduler_svc.engine.replica import CacheFlush, Replica
+from scheduler_svc.engine.replica import Replica
 from scheduler_svc.engine.request import Limits
 from scheduler_svc.engine.request_stream import RequestStream
 from scheduler_svc.engine.router import Router
+from scheduler_svc.engine.step_loop import StepLoop
 from scheduler_svc.engine.step_reporter import StepReporter
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from scheduler_svc.workers.worker_client import PipelinedLink, WorkerLink, WorkerLost
+from scheduler_svc.workers.worker_client import WorkerLink, WorkerLost
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +61,7 @@ class Fleet:
         # Every worker group known, connected or not, by name.
         self._replicas: dict[str, Replica] = {}
         self.router = Router(config)
-        self._reporter = StepReporter(metrics, streams)
+        self._step_loop = StepLoop(config, streams, StepReporter(metrics, streams), lambda: self.serving)
         self._on_ready = on_ready
         self._ready_reported: bool | None = None
         # Several group loops report readiness; one at a time, so health's two entries agree.
@@ -94,7 +85,7 @@ class Fleet:
     @property
     def block_size(self) -> int:
         """The KV block size every group must use: configured, else the serving groups' (0: any)."""
-        return self.config.block_size or next((r.accounting.block_manager.block_size for r in self.serving), 0)
+        return self.config.block_size or next((r.serving_scheduler.block_manager.block_size for r in self.serving), 0)
 
     def holds(self, replica: Replica) -> bool:
         """Whether `replica` is the live group of its name (not one torn down or replaced)."""
@@ -206,7 +197,7 @@ class Fleet:
             BlockManager(
                 info.num_gpu_blocks,
                 info.block_size,
-                num_cpu_blocks=info.num_cpu_blocks,
+                num_host_blocks=info.num_cpu_blocks,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             ),
             max_model_len=min(self.spec.max_model_len, info.max_model_len),
@@ -229,7 +220,7 @@ class Fleet:
         )
         await self._refresh_ready()
         try:
-            await self._loop(replica, replica.scheduler)
+            await self._step_loop.run(replica, replica.scheduler)
         except WorkerLost as error:
             log.error("worker_lost", group=replica.name, address=worker.address, reason=str(error))
             self._recover(replica)
@@ -254,7 +245,7 @@ class Fleet:
                 self._fail_stream(group, "the worker was lost")
                 failed += 1
                 continue
-            stream.replica = target
+            self._streams.move(stream, target)
             target.post(group)
             moved += 1
         self.metrics.recovered.inc(moved)
@@ -280,7 +271,7 @@ class Fleet:
         """Tell health whether any group serves; limits follow the groups that do."""
         ready = self.serving
         if ready:
-            self.limits = Limits.of(self.spec, self.config, min(r.accounting.max_model_len for r in ready))
+            self.limits = Limits.of(self.spec, self.config, min(r.serving_scheduler.max_model_len for r in ready))
         else:
             # Nothing runs or waits any more and no KV is held: say so, rather than leaving the
             # gauges at their last values until a worker is back.
@@ -319,69 +310,3 @@ class Fleet:
                 f"{self.config.max_lora_rank}; start it with --max-lora-rank {self.config.max_lora_rank}"
             )
         return None
-
-    def _apply_inbox(self, replica: Replica, scheduler: Scheduler) -> None:
-        inbox, replica.inbox = replica.inbox, []
-        for i, item in enumerate(inbox):
-            try:
-                if isinstance(item, SequenceGroup):
-                    if self._streams.of(item) is not None:
-                        scheduler.add(item)
-                elif isinstance(item, CacheFlush):
-                    item.resolve(scheduler.block_manager.reset_prefix_cache())
-                elif self._streams.drop(item):
-                    scheduler.abort(item.group.group_id)
-                    log.info(
-                        "request_aborted",
-                        request_id=item.request_id,
-                        reason=item.abort_reason or "cancelled",
-                        completion_tokens=item.num_output_tokens,
-                        **item.trace,
-                    )
-            except Exception:
-                # What was not applied stays queued, so the failure path ends those requests too.
-                replica.inbox[:0] = inbox[i:]
-                raise
-
-    async def _loop(self, replica: Replica, scheduler: Scheduler) -> None:
-        worker = replica.worker
-        # A link that takes a plan before the last result (PipelinedLink) gets the next step as
-        # soon as the scheduler can plan it: the worker then goes from one step to the next
-        # without waiting for the scheduler. Others run one step at a time.
-        pipelined = worker if self.config.plan_ahead and isinstance(worker, PipelinedLink) else None
-        depth = 2 if pipelined is not None else 1
-        in_flight: deque[tuple[StepPlan, float]] = deque()  # plans sent, and their build seconds
-        while True:
-            if not replica.attached:
-                raise WorkerLost(f"group {replica.name} deregistered")
-            replica.wake.clear()
-            self._apply_inbox(replica, scheduler)
-            self._reporter.publish_gauges(replica, self.serving)
-            while len(in_flight) < depth:
-                build_start = time.perf_counter()
-                plan = scheduler.schedule() if scheduler.has_work else None
-                if plan is None:
-                    break
-                plan_build = time.perf_counter() - build_start
-                self._reporter.observe_admissions(scheduler)
-                if pipelined is not None:
-                    await pipelined.submit(plan)
-                in_flight.append((plan, plan_build))
-            if not in_flight:
-                await replica.wake.wait()
-                continue
-            plan, plan_build = in_flight.popleft()
-            with structlog.contextvars.bound_contextvars(step_id=plan.step_id, group=replica.name):
-                if pipelined is not None:
-                    result, timing = await pipelined.receive(plan)
-                else:
-                    result, timing = await worker.execute(plan)
-                update_start = time.perf_counter()
-                events = scheduler.update(plan, result)
-                self._reporter.emit(scheduler, events)
-                update = time.perf_counter() - update_start
-                # Sampled rows, not events: beam steps sample every beam but emit only at the end.
-                self._reporter.record(
-                    replica, plan.step_id, plan.num_seqs, plan.num_tokens, int(plan.sample.sum()), timing
-                )
-                self._reporter.record_parts(result, timing, plan_build, update)

@@ -16,7 +16,6 @@ from common.worker_info import WorkerInfo
 from scheduler_svc.engine.engine_stats import EngineStats
 from scheduler_svc.engine.load import GroupActivity, GroupLoad
 from scheduler_svc.engine.request_stream import RequestStream
-from scheduler_svc.kv.block_manager import extend_chain
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence_group import SequenceGroup
 from scheduler_svc.workers.worker_client import WorkerLink
@@ -62,7 +61,7 @@ class Replica:
         return self.scheduler is not None and self.attached
 
     @property
-    def accounting(self) -> Scheduler:
+    def serving_scheduler(self) -> Scheduler:
         """The scheduler of a ready group (the router and fleet only look at ready ones)."""
         if self.scheduler is None:
             raise RuntimeError(f"worker group {self.name} is not serving")
@@ -88,7 +87,7 @@ class Replica:
         if sched is None:
             return 0
         bm = sched.block_manager
-        queued = [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.waiting
+        queued = [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.queues.waiting
         demand = sum(bm.blocks_for(g.seqs[0].num_tokens) for g in queued)
         return bm.num_free_blocks - demand
 
@@ -114,8 +113,8 @@ class Replica:
             load=load,
             block_size=sched.block_manager.block_size,
             max_running=max_running,
-            prefix_queried_tokens=sched.prefix_queried_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens,
+            prefix_queried_tokens=sched.queues.prefix_queried_tokens,
+            prefix_hit_tokens=sched.queues.prefix_hit_tokens,
             output_tokens_per_s=self.stats.output_rate(),
             waiting_uncached_tokens=self._waiting_uncached_tokens(sched),
         )
@@ -124,13 +123,9 @@ class Replica:
         """Prompt tokens the queued requests will compute here: their prefix-cache hits excluded."""
         bm = sched.block_manager
         total = 0
-        for group in [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.waiting:
+        for group in [g for g in self.inbox if isinstance(g, SequenceGroup)] + sched.queues.waiting:
             tokens = group.seqs[0].token_ids
-            hashes: list[int] = []
-            if bm.gpu.enable_caching:
-                # As in BlockManager.prefix_hit: the last token is always computed.
-                extend_chain(hashes, tokens, bm.block_size, (len(tokens) - 1) // bm.block_size, group.cache_salt)
-            total += len(tokens) - bm.cached_prefix_blocks(hashes) * bm.block_size
+            total += len(tokens) - bm.cached_prefix_blocks(bm.prompt_chain(tokens, group.cache_salt)) * bm.block_size
         return total
 
     def load(self) -> GroupLoad | None:
@@ -143,8 +138,8 @@ class Replica:
             address=self.worker.address,
             num_gpu_blocks=bm.num_blocks,
             free_gpu_blocks=bm.num_free_blocks,
-            num_cpu_blocks=bm.cpu.num_blocks,
-            free_cpu_blocks=bm.cpu.num_free,
+            num_cpu_blocks=bm.host.num_blocks,
+            free_cpu_blocks=bm.host.num_free,
             running=sched.num_running,
             waiting=self.num_queued,
             swapped=sched.num_swapped,

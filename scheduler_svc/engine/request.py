@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from common.config import SchedulerConfig
 from common.errors import InvalidArgument, Unimplemented
 from common.model_spec import ModelSpec
-from scheduler_svc.sched.sequence import FinishReason, SamplingParams, StoppingParams
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, StoppingParams
 from scheduler_svc.text.structured_output import StructuredOutput
 
 
@@ -262,8 +262,8 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
 MIN_TEMPERATURE = 1e-5
 
 
-def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> SamplingParams:
-    return SamplingParams(
+def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> SamplingOptions:
+    return SamplingOptions(
         temperature=float(req.temperature) if req.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=float(req.top_p) if req.top_p > 0 else 1.0,
         # top_k beyond the vocabulary keeps everything; clamping keeps it inside int32 too.

@@ -12,18 +12,14 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from scheduler_svc.engine.request import RequestOutput, RequestStats, TokenLogprob
-from scheduler_svc.sched.scheduler import Scheduler, TokenEvent
+from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import FinishReason, Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.sched.token_events import TokenEvent
 from scheduler_svc.text.text_stream import TextStream
 from scheduler_svc.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine.replica import Replica
-
 
 # Log fields of the caller's trace headers (scheduler_svc/api/generation_servicer.py log_fields).
 TRACE_FIELDS = ("x_request_id", "x_correlation_id")
@@ -34,7 +30,6 @@ class RequestStream:
     group: SequenceGroup
     tokenizer: Tokenizer
     block_bytes: int
-    replica: Replica | None = None  # the worker group the request is on (it moves on recovery)
     queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
     aborted: bool = False  # by an Abort call: its blocks go at the next step
     abort_reason: str | None = None  # abort_call, deadline, cancelled

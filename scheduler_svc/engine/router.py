@@ -21,14 +21,12 @@ from collections.abc import Sequence
 from common.config import SchedulerConfig
 from common.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.engine.replica import Replica
-from scheduler_svc.kv.block_manager import extend_chain
 from scheduler_svc.sched.sequence_group import SequenceGroup
 
 
 class Router:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.enable_prefix_caching = config.enable_prefix_caching
 
     def place(
         self, ready: list[Replica], token_ids: Sequence[int], total: int, width: int, beam: bool, cache_salt: int = 0
@@ -46,9 +44,9 @@ class Router:
                     field, f"{width} sequences exceed this server's --{name.replace('_', '-')} ({limit})"
                 )
         prompt = len(token_ids)
-        fit = [r for r in ready if r.accounting.can_ever_fit(prompt, total, width)]
+        fit = [r for r in ready if r.serving_scheduler.can_ever_fit(prompt, total, width)]
         if not fit:
-            biggest = max((r.accounting for r in ready), key=lambda s: s.block_manager.num_blocks)
+            biggest = max((r.serving_scheduler for r in ready), key=lambda s: s.block_manager.num_blocks)
             bm = biggest.block_manager
             raise ResourceExhausted(
                 f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "
@@ -71,11 +69,9 @@ class Router:
         """The best of `candidates` (each ready, and able to take the request) for these tokens."""
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        hashes: list[int] = []
-        if self.enable_prefix_caching:
-            block_size = candidates[0].accounting.block_manager.block_size
-            # As in BlockManager.prefix_hit: the last prompt token is always computed.
-            extend_chain(hashes, token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt)
+        # Every group hashes a prompt alike (same block size), so one chain serves them all.
+        bm = candidates[0].serving_scheduler.block_manager
+        hashes = bm.prompt_chain(token_ids, cache_salt) if self.config.enable_prefix_caching else []
         return max(candidates, key=lambda r: self._room(r, hashes))
 
     @staticmethod

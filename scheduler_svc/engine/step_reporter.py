@@ -16,8 +16,9 @@ from scheduler_svc.engine.live_streams import LiveStreams
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.replica import Replica
 from scheduler_svc.engine.request_stream import RequestStream
-from scheduler_svc.sched.scheduler import Scheduler, TokenEvent
+from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import FinishReason
+from scheduler_svc.sched.token_events import TokenEvent
 from scheduler_svc.workers.worker_client import StepTiming
 
 log = structlog.get_logger(__name__)
@@ -33,8 +34,8 @@ class StepReporter:
         by_adapter: dict[str, int] = {}
         now = time.monotonic()
         for event in events:
-            group = event.seq.group
-            stream = self.streams.of(group) if group is not None else None
+            group = event.group
+            stream = self.streams.of(group)
             if stream is None:
                 continue
             if event.token_id >= 0:
@@ -48,7 +49,7 @@ class StepReporter:
                 if stream.group.adapter is not None:
                     name = stream.group.adapter.name
                     by_adapter[name] = by_adapter.get(name, 0) + 1
-            elif event.finish_reason is FinishReason.ABORTED and group is not None and not group.is_beam:
+            elif event.finish_reason is FinishReason.ABORTED and not group.is_beam:
                 # A structured output the worker sampled past (Scheduler._apply).
                 stream.fail(Aborted("the structured output's grammar allows no token the model can sample here"))
             touched[stream.request_id] = stream
@@ -80,7 +81,7 @@ class StepReporter:
 
     def observe_admissions(self, scheduler: Scheduler) -> None:
         now = time.monotonic()
-        for group in scheduler.admitted:
+        for group in scheduler.queues.admitted:
             stream = self.streams.of(group)
             if stream is not None and not stream.scheduled:
                 stream.scheduled = True
@@ -133,9 +134,9 @@ class StepReporter:
         if sched is not None:
             # The scheduler keeps plain counters (it is pure); publish what moved since last step.
             now = (
-                sched.num_preemptions,
-                sched.prefix_queried_tokens,
-                sched.prefix_hit_tokens,
+                sched.queues.num_preemptions,
+                sched.queues.prefix_queried_tokens,
+                sched.queues.prefix_hit_tokens,
                 sched.num_planned_ahead,
                 sched.num_adapter_loads,
             )

@@ -31,23 +31,22 @@ import numpy as np
 
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.kv_events import KvEventQueue
-
-_ROOT_HASH = 0x6C6D7365  # parent hash of a sequence's first block
+from scheduler_svc.kv.prefix_chain import extend_chain, reusable_blocks
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, enable_prefix_caching: bool = True
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
         # What the prefix cache indexes and forgets, for gateways that mirror it (drained outside).
         self.kv_events = KvEventQueue()
-        self.gpu = BlockPool(num_blocks, enable_prefix_caching, self.kv_events)
-        self.cpu = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.device = BlockPool(num_blocks, enable_prefix_caching, self.kv_events)
+        self.host = BlockPool(num_host_blocks, enable_caching=False)
         self._tables: dict[int, list[int]] = {}
-        self._host: dict[int, list[int]] = {}
+        self._host_tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[int]] = {}  # chain hash of each full block of the tokens
         self._indexed: dict[int, int] = {}  # leading table blocks already offered to the index
         self._ops: dict[str, list[tuple[int, int]]] = {"swap_out": [], "swap_in": [], "copy": []}
@@ -60,15 +59,15 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.gpu.num_blocks
+        return self.device.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.gpu.num_free
+        return self.device.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.gpu.num_used
+        return self.device.num_used
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens occupies."""
@@ -90,7 +89,7 @@ class BlockManager:
         return self._tables.get(seq_id, [])
 
     def host_table(self, seq_id: int) -> list[int]:
-        return self._host.get(seq_id, [])
+        return self._host_tables.get(seq_id, [])
 
     # ---- prefix cache ----
 
@@ -101,15 +100,23 @@ class BlockManager:
         extend_chain(hashes, token_ids, self.block_size, num_blocks, salt)
         return hashes
 
+    def prompt_chain(self, token_ids: Sequence[int], salt: int = 0) -> list[int]:
+        """Chain hashes of the blocks a new prompt may find in the prefix cache (`reusable_blocks`
+        of them); empty when caching is off. For probes that attach nothing (routing, load)."""
+        hashes: list[int] = []
+        if self.device.enable_caching:
+            extend_chain(hashes, token_ids, self.block_size, reusable_blocks(len(token_ids), self.block_size), salt)
+        return hashes
+
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt with these chain hashes the prefix cache holds.
 
         A read-only probe (nothing is attached or revived): routing asks every worker group.
         """
-        if not self.gpu.enable_caching:
+        if not self.device.enable_caching:
             return 0
         for i, content_hash in enumerate(hashes):
-            if self.gpu.lookup(content_hash) is None:
+            if self.device.lookup(content_hash) is None:
                 return i
         return len(hashes)
 
@@ -117,17 +124,16 @@ class BlockManager:
         """Indexed blocks holding the longest prefix of `token_ids`; empty if caching is off.
         `salt` keys the chain (a LoRA adapter's: its KV differs for the same tokens).
 
-        At least one token is always left to compute: the step that feeds it yields the logits
-        the next token is sampled from.
+        At most `reusable_blocks` of them.
         """
-        if not self.gpu.enable_caching:
+        if not self.device.enable_caching:
             return []
-        limit = (len(token_ids) - 1) // self.block_size
+        limit = reusable_blocks(len(token_ids), self.block_size)
         hit: list[int] = []
         # The chain may be longer than `limit`: commit() hashes every computed block, and a
         # sequence that computed all of its tokens can be dropped before it samples one more.
         for content_hash in self._chain(seq_id, token_ids, limit, salt)[:limit]:
-            block = self.gpu.lookup(content_hash)
+            block = self.device.lookup(content_hash)
             if block is None:
                 break
             hit.append(block)
@@ -135,7 +141,7 @@ class BlockManager:
 
     def admission_cost(self, hit: list[int], num_tokens: int) -> int:
         """Free blocks a new sequence takes to hold `num_tokens` after attaching `hit`."""
-        revived = sum(1 for b in hit if self.gpu.is_cached(b))
+        revived = sum(1 for b in hit if self.device.is_cached(b))
         return self.blocks_for(num_tokens) - len(hit) + revived
 
     def attach(self, seq_id: int, hit: list[int]) -> None:
@@ -143,7 +149,7 @@ class BlockManager:
         if seq_id in self._tables:
             raise RuntimeError(f"sequence {seq_id} already has a table")
         for block in hit:
-            self.gpu.incref(block)
+            self.device.incref(block)
         self._tables[seq_id] = list(hit)
         self._indexed[seq_id] = len(hit)
         self._mirror(seq_id)
@@ -152,13 +158,13 @@ class BlockManager:
         """Index the blocks that became full and computed, so later requests can reuse them."""
         full = num_computed // self.block_size
         done = self._indexed.get(seq_id, 0)
-        if full <= done or not self.gpu.enable_caching:
+        if full <= done or not self.device.enable_caching:
             return
         table = self._tables[seq_id]
         hashes = self._chain(seq_id, token_ids, full, salt)
         size = self.block_size
         for i in range(done, full):
-            if self.gpu.register(table[i], hashes[i]):
+            if self.device.register(table[i], hashes[i]):
                 parent = hashes[i - 1] if i else None
                 self.kv_events.stored(hashes[i], parent, tuple(token_ids[i * size : (i + 1) * size]))
         self._indexed[seq_id] = full
@@ -169,13 +175,13 @@ class BlockManager:
         Only an idle pool is flushed (vLLM's rule): a block in use keeps its hash and would be
         back in the cache when released, so a flush under load would not empty the cache.
         """
-        if self.gpu.num_used:
+        if self.device.num_used:
             return None
-        return self.gpu.reset_cache()
+        return self.device.reset_cache()
 
     def indexed_hashes(self) -> set[int]:
         """Chain hashes of every block the prefix cache holds now."""
-        return self.gpu.indexed_hashes()
+        return self.device.indexed_hashes()
 
     # ---- growth and copy-on-write ----
 
@@ -186,11 +192,11 @@ class BlockManager:
         grow = max(0, end - len(table))
         if write_from is None:
             return grow
-        ref = self.gpu.ref
+        ref = self.device.ref
         return grow + sum(1 for i in range(write_from // self.block_size, min(end, len(table))) if ref[table[i]] > 1)
 
     def can_allocate(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> bool:
-        return self.blocks_needed(seq_id, num_tokens, write_from) + reserve <= self.gpu.num_free
+        return self.blocks_needed(seq_id, num_tokens, write_from) + reserve <= self.device.num_free
 
     def allocate(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> None:
         """Make `seq_id` hold `num_tokens` tokens with positions >= `write_from` writable.
@@ -198,8 +204,8 @@ class BlockManager:
         `write_from` None: only the new blocks are written (no copy-on-write check).
         """
         needed = self.blocks_needed(seq_id, num_tokens, write_from)
-        if needed > self.gpu.num_free:
-            raise RuntimeError(f"allocate: seq {seq_id} needs {needed} blocks, {self.gpu.num_free} free")
+        if needed > self.device.num_free:
+            raise RuntimeError(f"allocate: seq {seq_id} needs {needed} blocks, {self.device.num_free} free")
         table = self._tables.get(seq_id)
         if table is None:
             table = self._tables[seq_id] = []
@@ -209,24 +215,24 @@ class BlockManager:
         first = len(table) if write_from is None else write_from // self.block_size
         for i in range(first, min(end, len(table))):
             old = table[i]
-            if self.gpu.ref[old] > 1:
-                new = self.gpu.take()
+            if self.device.ref[old] > 1:
+                new = self.device.take()
                 self._ops["copy"].append((old, new))
-                self.gpu.decref(old)
+                self.device.decref(old)
                 table[i] = new
                 self._array[row, i] = new
         if len(table) < end:
             start = len(table)
-            table.extend(self.gpu.take() for _ in range(end - start))
+            table.extend(self.device.take() for _ in range(end - start))
             self._set_range(row, start, table[start:])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copied on the first write)."""
-        if child_id in self._tables or child_id in self._host:
+        if child_id in self._tables or child_id in self._host_tables:
             raise RuntimeError(f"sequence {child_id} already has a table")
         table = list(self._tables.get(parent_id, ()))
         for block in table:
-            self.gpu.incref(block)
+            self.device.incref(block)
         self._tables[child_id] = table
         self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
         self._indexed[child_id] = self._indexed.get(parent_id, 0)
@@ -234,11 +240,11 @@ class BlockManager:
 
     def share_prefix(self, src_id: int, dst_id: int, num_blocks: int) -> None:
         """Start `dst_id`'s table with the first `num_blocks` blocks of `src_id` (shared)."""
-        if dst_id in self._tables or dst_id in self._host:
+        if dst_id in self._tables or dst_id in self._host_tables:
             raise RuntimeError(f"sequence {dst_id} already has a table")
         table = self._tables[src_id][:num_blocks]
         for block in table:
-            self.gpu.incref(block)
+            self.device.incref(block)
         self._tables[dst_id] = table
         self._indexed[dst_id] = 0
         self._mirror(dst_id)
@@ -250,9 +256,9 @@ class BlockManager:
         """
         table = self._tables.pop(seq_id, [])
         for block in reversed(table):
-            self.gpu.decref(block)
-        for block in self._host.pop(seq_id, []):
-            self.cpu.decref(block)
+            self.device.decref(block)
+        for block in self._host_tables.pop(seq_id, []):
+            self.host.decref(block)
         self._hashes.pop(seq_id, None)
         self._indexed.pop(seq_id, None)
         self._release_row(seq_id)
@@ -262,32 +268,32 @@ class BlockManager:
         """Preemption by recompute: free the blocks but keep the hashes of the tokens."""
         table = self._tables.pop(seq_id, [])
         for block in reversed(table):
-            self.gpu.decref(block)
+            self.device.decref(block)
         self._indexed[seq_id] = 0
         self._release_row(seq_id)
 
     # ---- swapping ----
 
     def unique_blocks(self, seq_ids: Iterable[int], host: bool = False) -> set[int]:
-        tables = self._host if host else self._tables
+        tables = self._host_tables if host else self._tables
         return {b for s in seq_ids for b in tables.get(s, ())}
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
-        return len(self.unique_blocks(seq_ids)) <= self.cpu.num_free
+        return len(self.unique_blocks(seq_ids)) <= self.host.num_free
 
     def swap_out(self, seq_ids: Sequence[int]) -> int:
         """Move the sequences' device blocks to the host; shared blocks move once. Returns blocks moved."""
-        moved = self._move(seq_ids, self._tables, self._host, self.gpu, self.cpu, "swap_out")
+        moved = self._move(seq_ids, self._tables, self._host_tables, self.device, self.host, "swap_out")
         for seq_id in seq_ids:
             self._indexed[seq_id] = 0
             self._release_row(seq_id)
         return moved
 
     def can_swap_in(self, seq_ids: Iterable[int], reserve: int = 0) -> bool:
-        return len(self.unique_blocks(seq_ids, host=True)) + reserve <= self.gpu.num_free
+        return len(self.unique_blocks(seq_ids, host=True)) + reserve <= self.device.num_free
 
     def swap_in(self, seq_ids: Sequence[int]) -> int:
-        moved = self._move(seq_ids, self._host, self._tables, self.cpu, self.gpu, "swap_in")
+        moved = self._move(seq_ids, self._host_tables, self._tables, self.host, self.device, "swap_in")
         for seq_id in seq_ids:
             self._mirror(seq_id)
         return moved
@@ -301,7 +307,7 @@ class BlockManager:
         dst: BlockPool,
         op: str,
     ) -> int:
-        if len(self.unique_blocks(seq_ids, host=src is self.cpu)) > dst.num_free:
+        if len(self.unique_blocks(seq_ids, host=src is self.host)) > dst.num_free:
             raise RuntimeError(f"{op}: not enough free blocks")
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
@@ -373,7 +379,7 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Pools consistent; ref counts = table references; no block in two places; mirror true."""
-        for pool, tables in ((self.gpu, self._tables), (self.cpu, self._host)):
+        for pool, tables in ((self.device, self._tables), (self.host, self._host_tables)):
             refs: dict[int, int] = {}
             for table in tables.values():
                 for block in table:
@@ -381,18 +387,9 @@ class BlockManager:
                         raise AssertionError(f"block id {block} out of range")
                     refs[block] = refs.get(block, 0) + 1
             pool.check_integrity(refs)
-        if set(self._tables) & set(self._host):
+        if set(self._tables) & set(self._host_tables):
             raise AssertionError("a sequence holds both device and host blocks")
         for seq_id, table in self._tables.items():
             row = self._array[self._rows[seq_id]]
             if list(row[: len(table)]) != table or (row[len(table) :] != -1).any():
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")
-
-
-def extend_chain(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int, salt: int = 0) -> None:
-    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids`; a
-    non-zero `salt` (a LoRA adapter's) starts a chain of its own."""
-    parent = hashes[-1] if hashes else (_ROOT_HASH if not salt else hash((_ROOT_HASH, salt)))
-    for i in range(len(hashes), num_blocks):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
-        hashes.append(parent)

@@ -9,19 +9,26 @@ same sequences as the previous one, which is every decode step between admission
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from common.plan import DEFERRED_INPUT, SamplingBatch, StepPlan
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_slots import AdapterSlots
 from scheduler_svc.sched.sequence import Sequence
+from scheduler_svc.sched.sequence_group import SequenceGroup
 from scheduler_svc.text.grammar import fill_masks
 
 
 class PlanBuilder:
-    def __init__(self, bm: BlockManager, slots: AdapterSlots | None = None) -> None:
+    def __init__(
+        self, bm: BlockManager, slots: AdapterSlots | None = None, groups: Mapping[int, SequenceGroup] | None = None
+    ) -> None:
         self.bm = bm
         self.slots = slots if slots is not None else AdapterSlots(0)
+        # The scheduler's group index (Queues.groups): a row's adapter and prompt scores are its group's.
+        self.groups: Mapping[int, SequenceGroup] = groups if groups is not None else {}
         self._ids: list[int] = []
         self._rows_epoch = -1
         self._slots_epoch = -1
@@ -48,7 +55,7 @@ class PlanBuilder:
         if self._slots_epoch != self.slots.epoch:
             # A running group keeps its slot (a referenced slot is never refilled), so rows'
             # slots change only with a load or a reset, which move the epoch.
-            self._static["lora_slots"] = _lora_slots(seqs, self.slots)
+            self._static["lora_slots"] = _lora_slots(seqs, self.slots, self.groups)
             self._slots_epoch = self.slots.epoch
         if self._rows_epoch != bm.rows_epoch:
             self._static["rows"] = bm.rows_of(ids)
@@ -75,7 +82,7 @@ class PlanBuilder:
         sample = (ends == num_tokens).astype(np.uint8)
         bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
         history = _history(seqs, [i for i in self._penalized if sample[i]], n)
-        prompt_asked, prompt_next = _prompt_scoring(seqs, computed, query_lens, self._prompt_scored)
+        prompt_asked, prompt_next = _prompt_scoring(seqs, computed, query_lens, self._prompt_scored, self.groups)
         mask_rows, token_masks = _masks(seqs, [i for i in self._constrained if sample[i]], n)
         swap_out, swap_in, copy = bm.take_ops()
         return StepPlan(
@@ -116,9 +123,9 @@ class PlanBuilder:
         )
 
 
-def _lora_slots(seqs: list[Sequence], slots: AdapterSlots) -> np.ndarray:
+def _lora_slots(seqs: list[Sequence], slots: AdapterSlots, groups: Mapping[int, SequenceGroup]) -> np.ndarray:
     """Each row's LoRA slot, -1 for the base model; empty when no row has an adapter."""
-    adapters = [s.group.adapter if s.group is not None else None for s in seqs]
+    adapters = [groups[s.group_id].adapter for s in seqs]
     if not any(adapters):
         return _NONE_I32
     return np.array([slots.slot_of(a) if a is not None else -1 for a in adapters], dtype=np.int32)
@@ -192,7 +199,11 @@ def _token_buffer(seq: Sequence) -> np.ndarray:
 
 
 def _prompt_scoring(
-    seqs: list[Sequence], computed: list[int], query_lens: list[int], rows: list[int]
+    seqs: list[Sequence],
+    computed: list[int],
+    query_lens: list[int],
+    rows: list[int],
+    groups: Mapping[int, SequenceGroup],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row: prompt log-probability alternatives wanted (-1 = none) and the prompt token
     after the chunk (-1 past the prompt). A row is scored while its group still lacks scores
@@ -204,8 +215,7 @@ def _prompt_scoring(
     following = np.full(len(seqs), -1, np.int32)
     for i in rows:
         seq, c = seqs[i], computed[i]
-        assert seq.group is not None
-        prompt_len, have = len(seq.prompt_token_ids), len(seq.group.prompt_logprobs)
+        prompt_len, have = len(seq.prompt_token_ids), len(groups[seq.group_id].prompt_logprobs)
         end = c + query_lens[i]
         # Positions c..end-1 score tokens c+1..end; the next one wanted is have + 1.
         if have < prompt_len - 1 and c <= have < end:

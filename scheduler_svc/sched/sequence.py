@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from scheduler_svc.sched.sequence_group import SequenceGroup
     from scheduler_svc.text.grammar import Grammar
 
 _U64 = (1 << 64) - 1
@@ -40,7 +39,11 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingOptions:
+    """How a request's tokens are chosen, validated and complete (a seed always drawn): what the
+    scheduler plans with, whatever API the request came through. The offline API's
+    `llmserve.SamplingParams` (vLLM's fields) is mapped onto the native request, then here."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -83,7 +86,7 @@ class Sequence:
     seq_id: int
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: SamplingOptions
     stopping: StoppingParams
     # Order of arrival of the request; with the priority it fixes the place in line.
     arrival: int
@@ -99,7 +102,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
-    group: SequenceGroup | None = field(default=None, repr=False)
+    # The group_id of the request's SequenceGroup (its first sequence's id), set when the group
+    # is made; the scheduler's group index maps it back (a sequence holds no link to its group).
+    group_id: int = -1
     # Set by the scheduler at admission so the per-step stop check is one set lookup and one
     # comparison: tokens that end the sequence, and the length at which it ends anyway.
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
@@ -167,7 +172,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             status=self.status,
             cumulative_logprob=self.cumulative_logprob,
-            group=self.group,
+            group_id=self.group_id,
             stop_ids=self.stop_ids,
             token_limit=self.token_limit,
             grammar=self.grammar.fork() if self.grammar is not None else None,

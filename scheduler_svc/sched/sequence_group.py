@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler_svc.sched.sequence import SamplingParams, Sequence, SequenceStatus
+from scheduler_svc.sched.sequence import SamplingOptions, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from scheduler_svc.lora.adapter_registry import Adapter
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class SequenceGroup:
     request_id: str
     seqs: list[Sequence]  # every sequence ever in the group, finished ones included
-    sampling: SamplingParams
+    sampling: SamplingOptions
     arrival: int
     priority: int = 0  # lower is served first
     status: SequenceStatus = SequenceStatus.WAITING
@@ -55,7 +55,7 @@ class SequenceGroup:
         # every row of every step: a plain attribute, not a computed property.
         self.width = max(self.sampling.best_of, self.sampling.beam_width)
         for seq in self.seqs:
-            seq.group = self
+            seq.group_id = self.group_id
 
     @classmethod
     def of(cls, seq: Sequence, priority: int = 0) -> SequenceGroup:

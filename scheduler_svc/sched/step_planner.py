@@ -24,35 +24,34 @@ own logits row); beams sample all together or not at all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from common.config import SchedulerConfig
+from scheduler_svc.sched.queues import Queues
 from scheduler_svc.sched.sequence import Sequence, SequenceStatus
 from scheduler_svc.sched.sequence_group import SequenceGroup
 
-if TYPE_CHECKING:
-    from scheduler_svc.sched.scheduler import Scheduler
-
 
 class StepPlanner:
-    """Decides; the Scheduler owns the queues and counters and changes them through its own
-    verbs (`preempt`, `fork`, `resume`), which the planner calls. The planner writes only
-    block allocations and the sequences' progress of the step it plans."""
+    """Decides; `Queues` owns the queues and counters and changes them through its verbs
+    (`preempt`, `fork`, `resume`), which the planner calls. The planner writes only block
+    allocations and the sequences' progress of the step it plans."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-        self.bm = scheduler.block_manager
-        self.watermark_blocks = int(scheduler.config.watermark * self.bm.num_blocks)
+    def __init__(self, queues: Queues, config: SchedulerConfig) -> None:
+        self.queues = queues
+        self.config = config
+        self.bm = queues.block_manager
+        self.watermark_blocks = int(config.watermark * self.bm.num_blocks)
 
-    def pick(self) -> tuple[list[Sequence], list[int]]:
+    def pick(self, step_id: int) -> tuple[list[Sequence], list[int]]:
+        """Step `step_id`'s rows and how many tokens each feeds."""
         bm = self.bm
-        budget = self.s.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         query_lens: list[int] = []
-        self._preempt_for_priority(budget)
+        self._preempt_for_priority(budget, step_id)
         preempted = False
         i = 0
-        running = self.s.running
-        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
+        running = self.queues.running
+        tables, ref, bs = bm.tables, bm.device.ref, bm.block_size
         while i < len(running) and budget > 0:
             group = running[i]
             if group.width == 1:
@@ -73,8 +72,8 @@ class StepPlanner:
             rows = self._rows(group, budget)
             need = self._blocks_needed(rows)
             while need > bm.num_free_blocks:
-                victim = self.s.running[-1]
-                self.s.preempt(victim)
+                victim = running[-1]
+                self.queues.preempt(victim, step_id)
                 preempted = True
                 if victim is group:
                     break
@@ -84,7 +83,7 @@ class StepPlanner:
             i += 1
         # A step that had to preempt admits nothing, unless nothing else would run at all.
         if not preempted or not seqs:
-            self._admit(budget, seqs, query_lens)
+            self._admit(budget, seqs, query_lens, step_id)
         return seqs, query_lens
 
     def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
@@ -143,16 +142,8 @@ class StepPlanner:
     def _fork_samples(self, group: SequenceGroup) -> None:
         parent = group.seqs[0]
         for index in range(1, group.sampling.best_of):
-            self.s.fork(parent, index, group.sampling.sample_seed(index))
+            self.queues.fork(parent, index, group.sampling.sample_seed(index))
         group.forked = True
-
-    def head(self) -> SequenceGroup | None:
-        """The next group in line to resume or admit."""
-        w = self.s.waiting[0] if self.s.waiting else None
-        s = self.s.swapped[0] if self.s.swapped else None
-        if w is None or (s is not None and s.key < w.key):
-            return s
-        return w
 
     def _admission_need(self, group: SequenceGroup, budget: int) -> int:
         """Free blocks resuming or admitting `group` takes this step, at most."""
@@ -190,24 +181,24 @@ class StepPlanner:
         return need
 
     def _fits(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
-        if group.adapter is not None and not self.s.adapter_slots.can_acquire(group.adapter):
+        if group.adapter is not None and not self.queues.adapter_slots.can_acquire(group.adapter):
             return False  # every LoRA slot runs another adapter: wait for one to go idle
         return self._fits_blocks(group, budget, reserve)
 
     def _fits_blocks(self, group: SequenceGroup, budget: int, reserve: int = 0) -> bool:
         """Whether the group's sequences and blocks fit, whatever its LoRA slot."""
-        if self.s.running_slots + group.width > self.s.config.max_num_seqs:
+        if self.queues.running_slots + group.width > self.config.max_num_seqs:
             return False
-        reserve += self.watermark_blocks if self.s.running else 0
+        reserve += self.watermark_blocks if self.queues.running else 0
         return self._admission_need(group, budget) + reserve <= self.bm.num_free_blocks
 
     def running_need(self, budget: int | None = None) -> int:
         """Blocks the running groups take this step, at most (read-only, unlike `_rows`)."""
         bm = self.bm
-        budget = self.s.config.max_num_batched_tokens if budget is None else budget
-        tables, ref, bs = bm.tables, bm.gpu.ref, bm.block_size
+        budget = self.config.max_num_batched_tokens if budget is None else budget
+        tables, ref, bs = bm.tables, bm.device.ref, bm.block_size
         need = 0
-        for group in self.s.running:
+        for group in self.queues.running:
             if group.width == 1:
                 # pick()'s fast path: a decode into a block the sequence owns alone takes none.
                 seq = group.seqs[0]
@@ -223,25 +214,26 @@ class StepPlanner:
                 need += bm.blocks_needed(seq.seq_id, c + q, c)
         return need
 
-    def _preempt_for_priority(self, budget: int) -> None:
-        head = self.head()
+    def _preempt_for_priority(self, budget: int, step_id: int) -> None:
+        queues = self.queues
+        head = queues.head()
         while (
             head is not None
-            and self.s.running
-            and self.s.running[-1].priority > head.priority
+            and queues.running
+            and queues.running[-1].priority > head.priority
             # Blocks only: a head short of a LoRA slot waits for one (see the module docstring).
             and not self._fits_blocks(head, budget, reserve=self.running_need(budget))
         ):
-            self.s.preempt(self.s.running[-1])
+            queues.preempt(queues.running[-1], step_id)
 
-    def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int]) -> None:
+    def _admit(self, budget: int, seqs: list[Sequence], query_lens: list[int], step_id: int) -> None:
         bm = self.bm
         while budget > 0:
-            group = self.head()
-            if group is None or group.preempted_step == self.s.next_step_id or not self._fits(group, budget):
+            group = self.queues.head()
+            if group is None or group.preempted_step == step_id or not self._fits(group, budget):
                 # A group that gave its blocks back in this step does not take them back in it.
                 return
-            self.s.resume(group)
+            self.queues.resume(group)
             rows = self._rows(group, budget)
             if self._blocks_needed(rows) <= bm.num_free_blocks:
                 budget -= self._take(rows, seqs, query_lens)

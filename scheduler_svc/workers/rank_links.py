@@ -24,10 +24,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from common import worker_wire
 from common.config import TlsClientConfig
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.api import generation_wire as wire
 from scheduler_svc.workers.worker_client import StepTiming, WorkerClient, WorkerLost
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ class RankLinks:
 
     async def submit(self, plan: StepPlan) -> None:
         start = time.perf_counter()
-        msg = wire.step_plan(plan)
+        msg = worker_wire.encode_plan(plan)
         encode = time.perf_counter() - start
         await self._all(plan, [r.write(plan, msg, encode) for r in self.ranks])
 

@@ -11,12 +11,12 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
 
+from common import worker_wire
 from common.config import TlsClientConfig
 from common.grpc.tls import open_channel
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.api import generation_wire as wire
 
 log = structlog.get_logger(__name__)
 
@@ -90,7 +90,7 @@ class WorkerClient:
         self._channel = open_channel(self.address, self.tls, CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
-            info = await stub.Describe(wire.describe_request(), wait_for_ready=True, timeout=timeout)
+            info = await stub.Describe(worker_wire.describe_request(), wait_for_ready=True, timeout=timeout)
         except grpc.aio.AioRpcError as error:
             await self.close()
             raise WorkerLost(f"worker {self.address} did not answer: {error.code().name} {error.details()}") from error
@@ -99,7 +99,7 @@ class WorkerClient:
         self._lost_reason = ""
         if self.health_interval > 0:
             self._watcher = asyncio.create_task(self._watch(self._channel), name=f"health:{self.address}")
-        return wire.worker_info(info)
+        return worker_wire.decode_worker_info(info)
 
     async def _watch(self, channel: grpc.aio.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -107,8 +107,8 @@ class WorkerClient:
         while failures < HEALTH_FAILURES:
             await asyncio.sleep(self.health_interval)
             try:
-                reply = await stub.Check(wire.health_check_request(), timeout=max(self.health_interval, 1.0))
-                serving = wire.is_serving(reply)
+                reply = await stub.Check(worker_wire.health_check_request(), timeout=max(self.health_interval, 1.0))
+                serving = worker_wire.is_serving(reply)
             except grpc.aio.AioRpcError:
                 serving = False
             failures = 0 if serving else failures + 1
@@ -127,7 +127,7 @@ class WorkerClient:
         """Send `plan`; its result comes with `receive`. Up to two plans may be sent ahead of
         their results: the worker runs them in order, the second right after the first."""
         start = time.perf_counter()
-        msg = wire.step_plan(plan)
+        msg = worker_wire.encode_plan(plan)
         await self.write(plan, msg, time.perf_counter() - start)
 
     async def write(self, plan: StepPlan, msg: worker_pb2.StepPlan, encode_seconds: float = 0.0) -> None:
@@ -156,7 +156,7 @@ class WorkerClient:
             raise WorkerLost(f"worker {self.address} closed its step stream")
         received = time.perf_counter()
         try:
-            result = wire.step_result(reply, plan.num_seqs)
+            result = worker_wire.decode_result(reply, plan.num_seqs)
         except ValueError as error:
             raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:

@@ -25,7 +25,7 @@ class Registration:
     block_size: int = 0  # 0: not reported
 
 
-class Registry:
+class WorkerRegistry:
     def __init__(
         self,
         model_name: str,

@@ -8,7 +8,7 @@ its team through the kernel. A step is hundreds of small regions, so on a 2-core
 decode step took 40% longer that way than the same step on the thread that loaded the model
 (`benchmarks/throughput.py`'s breakdown: every part slower, the small ops most). So the
 worker keeps all model work on its main thread, and its gRPC event loop runs on another one
-(`llmserve.cli`), handing steps over through this executor.
+(`run_beside`), handing steps over through this executor.
 
 `run()` serves calls on the calling thread until `shutdown()`. It wakes a few times a second
 even when idle, so that Python runs signal handlers (they run only on the main thread, and
@@ -17,9 +17,11 @@ a signal may reach another thread of the process).
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -91,3 +93,51 @@ class MainThreadExecutor(Executor):
             except queue.Empty:
                 return
             future.cancel()
+
+
+def run_beside(main: MainThreadExecutor, body: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run `body(stop)` in an event loop on a thread of its own while this thread serves
+    `main`'s calls, until `body` returns; its exception is raised here.
+
+    The contract of a worker process: call it from the main thread, the one that loaded the
+    model, and submit every forward pass to `main` from the event loop, so that one thread
+    alone starts OpenMP regions. When `body` ends, `main` shuts down and its queued calls
+    are cancelled. SIGINT and SIGTERM set `stop`; Python runs their handlers on the main
+    thread, which `main.run()` wakes often enough to do (POLL_S). The previous handlers are
+    put back on return.
+    """
+    signalled = threading.Event()
+    shared: dict[str, Any] = {}
+
+    def on_signal(*_: object) -> None:
+        signalled.set()
+        loop, stop = shared.get("loop"), shared.get("stop")
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        shared["loop"], shared["stop"] = asyncio.get_running_loop(), stop
+        if signalled.is_set():  # a signal that came before the loop did
+            stop.set()
+        await body(stop)
+
+    def loop_thread() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as error:  # noqa: BLE001 (raised again on the main thread)
+            shared["error"] = error
+        finally:
+            main.shutdown(wait=False, cancel_futures=True)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread = threading.Thread(target=loop_thread, name="event-loop")
+        thread.start()
+        main.run()
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in shared:
+        raise shared["error"]

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from common import worker_wire
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
 from common.plan import StepPlan, StepResult
 from worker_svc.device.parallel import bind_device
-from worker_svc.service import wire
 from worker_svc.service.metrics import WorkerMetrics
 from worker_svc.step.runner import ModelRunner, PlanError
 
@@ -41,7 +41,7 @@ async def _read_plans(
         async for msg in request_iterator:
             start = time.perf_counter()
             try:
-                plan, error = wire.step_plan(msg), None
+                plan, error = worker_wire.decode_plan(msg), None
             except ValueError as bad:  # a malformed plan is refused like one that fails the checks
                 plan, error = None, PlanError(str(bad))
             out.put_nowait(_Received(msg, plan, error, time.perf_counter() - start))
@@ -73,7 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Describe(  # noqa: N802 (gRPC method name)
         self, request: worker_pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb.WorkerInfo:
-        return wire.worker_info(self._runner.info(self._model_name))
+        return worker_wire.encode_worker_info(self._runner.info(self._model_name))
 
     async def Execute(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[worker_pb.StepPlan], context: grpc.aio.ServicerContext
@@ -144,7 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if profile:
                     result.part_seconds.update(plan_decode=received.decode_seconds, result_encode=last_encode)
                 encode_start = time.perf_counter()
-                reply = wire.step_result(result)
+                reply = worker_wire.encode_result(result)
                 last_encode = time.perf_counter() - encode_start
                 yield reply
                 if not ahead:

@@ -1,0 +1,210 @@
+"""Flags and environment turned into the frozen configs of common/config.py, and the checks
+that refuse a bad command line before anything starts.
+
+Every command builds its configurations here, and the offline `LLM` builds and checks its
+own with the same functions (llmserve/engine_args.py), so a flag means the same everywhere.
+A mistake is a ValueError, which `main` turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from common.config import (
+    CacheConfig,
+    LoraConfig,
+    SchedulerConfig,
+    ServerConfig,
+    TlsClientConfig,
+    TlsConfig,
+    WorkerConfig,
+)
+from common.grpc.ports import check_free
+from llmserve.gateway import GatewayConfig, KubernetesDiscovery, dial_address
+
+
+def cache_root() -> Path:
+    """Where prepared models live: $LLMSERVE_CACHE, else ~/.cache/llmserve."""
+    return Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
+
+
+def model_dir(arg: str | None) -> str:
+    """The model directory --model names, else the default model (prepared into the cache once)."""
+    if arg:
+        return arg
+    from llmserve.model_prep import prepare_default_model
+
+    return str(prepare_default_model(cache_root()))
+
+
+def log_json() -> bool:
+    """JSON logs unless stderr is a terminal; LLMSERVE_LOG_JSON=1|0 forces one."""
+    forced = os.environ.get("LLMSERVE_LOG_JSON")
+    return forced == "1" if forced in ("0", "1") else not sys.stderr.isatty()
+
+
+def tls_config(a: argparse.Namespace) -> TlsConfig | None:
+    if a.tls_cert is None and a.tls_key is None:
+        if a.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS runs inside TLS")
+        return None
+    if a.tls_cert is None or a.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    return TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca)
+
+
+def client_tls_config(a: argparse.Namespace, peer: str) -> TlsClientConfig | None:
+    """TLS to the `peer` ("worker" or "scheduler") from its --PEER-tls-* flags; None = plaintext."""
+    ca, cert, key, server_name = (getattr(a, f"{peer}_tls_{k}") for k in ("ca", "cert", "key", "server_name"))
+    if all(p is None for p in (ca, cert, key, server_name)):
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError(f"--{peer}-tls-cert and --{peer}-tls-key go together: give both or neither")
+    return TlsClientConfig(ca=ca, cert=cert, key=key, server_name=server_name)
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        tls=tls_config(a),
+        reflection=not a.no_reflection,
+        drain_timeout=a.drain_timeout,
+    )
+
+
+def scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_queue_len=a.max_queue_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+        preemption_mode=a.preemption_mode,
+        swap_bandwidth_gbps=a.swap_bandwidth_gbps,
+        recompute_tokens_per_s=a.recompute_tokens_per_s,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_stop_strings=a.max_stop_strings,
+        max_logprobs=a.max_logprobs,
+        max_n=a.max_n,
+        plan_ahead=a.plan_ahead,
+        json_max_whitespace=a.json_max_whitespace,
+        # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
+        block_size=a.block_size,
+        enable_lora=lora_enabled(a),
+        max_lora_rank=a.max_lora_rank,
+        lora_modules=_lora_modules(a.lora_modules),
+    )
+
+
+def lora_enabled(a: argparse.Namespace) -> bool:
+    """--enable-lora, which --lora-modules implies (only the scheduler's commands have that flag)."""
+    return bool(a.enable_lora or getattr(a, "lora_modules", None))
+
+
+def _lora_modules(items: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {item!r} is not NAME=DIR")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
+    return WorkerConfig(
+        model=model,
+        dtype=a.dtype,
+        device=a.device,
+        cache=CacheConfig(
+            block_size=a.block_size,
+            num_gpu_blocks=a.num_gpu_blocks,
+            kv_cache_gb=a.kv_cache_gb,
+            swap_space_gb=a.swap_space_gb,
+            num_cpu_blocks=a.num_cpu_blocks,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+        ),
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        attention_backend=a.attention_backend,
+        profile_steps=a.profile_steps,
+        enforce_eager=a.enforce_eager,
+        max_num_seqs=a.max_num_seqs,
+        # Only a rank process started by `worker --tp N` has these.
+        rank=getattr(a, "rank", None) or 0,
+        world_size=getattr(a, "world_size", None) or 1,
+        dist_init_method=getattr(a, "dist_init", ""),
+        dist_timeout=a.dist_timeout,
+        lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
+    )
+
+
+def check_tp(model: str, tp: int) -> None:
+    """Refuse a group size the model cannot split before any rank starts (ValueError: exit 2)."""
+    if tp == 1:
+        return
+    import json
+
+    from worker_svc.device.parallel import check_splittable
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    check_splittable(tp, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]))
+
+
+def check_gateway_ports(config: GatewayConfig) -> None:
+    """Both of the gateway's ports free, before anything starts (PortUnavailable: exit 2)."""
+    check_free(f"{config.host}:{config.port}", "--http-port")
+    check_free(f"{config.host}:{config.metrics_port}", "--http-metrics-port")
+
+
+def up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
+    """The gateway `up` runs in front of its scheduler, validated; None with --no-http. Its
+    scheduler address is filled in once the port is bound (--port 0 picks one)."""
+    if a.no_http:
+        return None
+    if a.tls_cert is not None:
+        raise ValueError(
+            "--tls-cert: the HTTP gateway dials the scheduler in plaintext and cannot reach a TLS port; add --no-http"
+        )
+    taken = {a.port: "--port", **({a.metrics_port: "--metrics-port"} if a.metrics_port else {})}
+    for flag, port in (("--http-port", a.http_port), ("--http-metrics-port", a.http_metrics_port)):
+        if port in taken:
+            raise ValueError(f"{flag} {port} is also {taken[port]}: give each its own port")
+    return GatewayConfig(
+        schedulers=(dial_address(a.host, a.port or 1),),
+        host=a.host,
+        port=a.http_port,
+        metrics_port=a.http_metrics_port,
+        shutdown_grace=a.drain_timeout,
+        log_level=a.log_level,
+        log_json=log_json(),
+    )
+
+
+def gateway_config(a: argparse.Namespace) -> GatewayConfig:
+    """`llmserve gateway`: its schedulers, listed or discovered."""
+    discovery = None
+    if a.k8s_selector:
+        if a.scheduler:
+            raise ValueError("--scheduler and --k8s-selector exclude each other: list the schedulers or discover them")
+        discovery = KubernetesDiscovery(tuple(a.k8s_selector), a.k8s_port, a.k8s_namespace)
+    elif not a.scheduler:
+        raise ValueError(
+            "llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE"
+        )
+    return GatewayConfig(
+        schedulers=tuple(a.scheduler),
+        discovery=discovery,
+        host=a.host,
+        port=a.http_port,
+        metrics_port=a.http_metrics_port,
+        policy=a.policy,
+        model_path=a.model_path,
+        shutdown_grace=a.drain_timeout,
+        log_level=a.log_level,
+        log_json=log_json(),
+    )

@@ -1,0 +1,235 @@
+"""The flag groups the `llmserve` commands share, and the argparse value types they use.
+
+`up` takes the scheduler's and the worker's flags, `scheduler` and `worker` each take theirs,
+and the offline `LLM` (llmserve/engine_args.py) reads its keyword arguments off the same
+groups: one definition of each option, its type, choices and default, for all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from common.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES
+from llmserve.gateway import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
+
+
+def at_least(low: float, kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: argparse then names the flag when a value is out of range."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse prints for a value that does not parse
+    return parse
+
+
+def at_most_one(text: str) -> float:
+    """An argparse type for a share: a float in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2-135M-Instruct)"
+    )
+
+
+def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port; 0 = off (default)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish while new ones are refused (default 30)",
+    )
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA bundle: require client certificates signed by it (mutual TLS; needs --tls-cert)",
+    )
+    p.add_argument("--no-reflection", action="store_true", help="do not serve gRPC reflection (health stays on)")
+
+
+def add_worker_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--worker-tls-ca",
+        default=None,
+        help="PEM CA bundle the worker's certificate must chain to; any --worker-tls-* flag turns TLS to the worker on",
+    )
+    p.add_argument(
+        "--worker-tls-cert", default=None, help="PEM client certificate for a worker that demands one (mutual TLS)"
+    )
+    p.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
+    p.add_argument(
+        "--worker-tls-server-name",
+        default=None,
+        help="name the worker's certificate is checked against, when it differs from the --worker host",
+    )
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="waiting requests before new ones get RESOURCE_EXHAUSTED (default 1024)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of earlier prompts")
+    p.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="auto",
+        help="how preempted requests give back KV blocks; auto = the cheaper of swap and recompute",
+    )
+    p.add_argument(
+        "--swap-bandwidth-gbps",
+        type=float,
+        default=16.0,
+        help="host<->device copy bandwidth the swap cost assumes, GB/s (default 16)",
+    )
+    p.add_argument(
+        "--recompute-tokens-per-s",
+        type=float,
+        default=8000.0,
+        help="prefill speed the recompute cost assumes, tokens/s (default 8000)",
+    )
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt accepted; 0 = up to the context")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request (default 16)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (default 20)")
+    p.add_argument(
+        "--max-n", type=int, default=16, help="most outputs, best_of candidates or beams per request (default 16)"
+    )
+    p.add_argument(
+        "--no-plan-ahead",
+        dest="plan_ahead",
+        action="store_false",
+        help="plan each step only after the previous step's result (default: plan it while that step runs)",
+    )
+    p.add_argument(
+        "--json-max-whitespace",
+        type=int,
+        default=4,
+        help="longest run of whitespace a JSON structured output may hold between tokens (default 4)",
+    )
+    add_lora_flags(p)
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT directories) served from the start, by name; implies --enable-lora",
+    )
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """What the scheduler and its workers must agree on (`worker` has its own copy of these)."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: workers hold --max-loras adapter slots, requests name an adapter in adapter_id",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=64,
+        help="largest LoRA rank accepted, and the size of each slot (default 64)",
+    )
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = bfloat16 where fast, else float32")
+    p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="memory the KV pool may take (CPU default: 2, or 30%% of the available memory if less)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA, the share of the device's memory weights, the heaviest step and the KV pool may take (default 0.9)",
+    )
+    p.add_argument(
+        "--swap-space-gb",
+        type=float,
+        default=None,
+        help="host memory (pinned on CUDA) that holds preempted sequences' KV blocks (default: 4 with CUDA, "
+        "1 on CPU, or 10%% of the available memory if less; 0 = no swapping)",
+    )
+    p.add_argument(
+        "--num-cpu-blocks", type=int, default=None, help="swap pool size in blocks (overrides --swap-space-gb)"
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="worker kernels: auto = triton on CUDA, cpu (our C++ kernels, built on first use) on CPU; torch = the reference",
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)"
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at start)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="time each step by part (linears, attention, sampling, ...) into the scheduler's "
+        "llmserve:step_part_seconds metric; costs a little speed (on CUDA a device sync per part)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=at_least(1, int),
+        default=4,
+        help="with --enable-lora: distinct adapters one step may use, i.e. device slots per worker (default 4)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=at_least(1, int),
+        default=None,
+        help="with --enable-lora: adapters a worker keeps in host memory to refill slots from (default --max-loras)",
+    )
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"port of the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models; default {DEFAULT_HTTP_PORT})",
+    )
+    p.add_argument(
+        "--http-metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"Prometheus port of the HTTP gateway (smg_* metrics; default {DEFAULT_METRICS_PORT})",
+    )

@@ -1,0 +1,286 @@
+"""What a worker's runner does once, before its first step: load the model, size the KV
+cache (on CUDA from the memory peak of the heaviest step it can be sent), warm the kernels up
+and capture the decode graphs.
+
+Kept apart from the step (runner.py) because none of it runs again once the worker serves,
+though it runs steps: the memory profile and the warm-up are real plans, executed by the
+subclass's `execute`. It all runs on the thread that constructs the runner, the one that
+then runs every step (the main-thread executor, worker_svc/service/main_thread.py: one
+OpenMP team for loading, warm-up and steps alike).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import structlog
+import torch
+
+from common.config import WorkerConfig
+from common.plan import StepPlan, StepResult
+from common.worker_info import WorkerInfo
+from kernels.limits import max_tokens_per_step
+from kernels.paged_attention import MERGE_PADS, decode_shapes
+from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device
+from worker_svc.layers.replicated import cpu_kernels_for
+from worker_svc.layers.triton_attention import TritonAttentionMetadata
+from worker_svc.lora.lora_slots import LoraSlots
+from worker_svc.step import host_memory, kv_cache
+from worker_svc.step.cuda_graphs import DecodeGraphs
+from worker_svc.step.host_allocator import keep_freed_memory
+from worker_svc.step.kv_cache import KVCache
+from worker_svc.step.loader import (
+    head_dim_of,
+    load_config,
+    load_model,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
+from worker_svc.step.probe_plans import decode_step, heaviest_step, widest_decode_step, with_open_masks
+from worker_svc.step.step_buckets import gemm_buckets, graph_buckets
+from worker_svc.step.step_profile import StepProfile
+
+log = structlog.get_logger(__name__)
+
+
+def triton_token_limit(hf_config: Any) -> int:
+    """kernels.limits.max_tokens_per_step for a checkpoint's whole shape (a rank's share
+    only raises the limit, so the whole model's is safe for every tensor-parallel size)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    return max_tokens_per_step(
+        hidden_size=int(text.hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=head_dim_of(hf_config),
+        intermediate_size=int(text.intermediate_size),
+    )
+
+
+class RunnerSetup(ABC):
+    """A runner's state, built in `__init__` (weights, adapter slots, the KV cache and swap
+    pool, the captured graphs); ModelRunner adds the step. `group`: the tensor-parallel group
+    this runner is a rank of."""
+
+    def __init__(self, config: WorkerConfig, group: ParallelGroup = SINGLE) -> None:
+        self.config = config
+        self.group = group
+        self.device = resolve_device(config.device)
+        bind_device(self.device)  # loading, profiling and graph capture launch kernels on this thread
+        keep_freed_memory()  # before the model's first allocations (see worker_svc.step.host_allocator)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = load_config(config.model)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, self.dtype, head_dim_of(hf_config)
+        )
+        # The Triton kernels index a step's tokens in int32 (kernels/limits.py): a bigger step
+        # is refused here, at start, and per plan in check().
+        self.step_token_limit = triton_token_limit(hf_config) if self.attention_backend == "triton" else None
+        if self.step_token_limit is not None and config.max_num_batched_tokens > self.step_token_limit:
+            raise ValueError(
+                f"--max-num-batched-tokens {config.max_num_batched_tokens} is above {self.step_token_limit}, the most "
+                f"tokens one step may carry through this model's Triton kernels (their int32 indices would wrap)"
+            )
+        self.model = load_model(
+            config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group
+        )
+        self._cpu_kernels = cpu_kernels_for(self.attention_backend)
+        # Adapter slots before the KV cache is sized: on CUDA the profile then counts them.
+        self.lora = (
+            LoraSlots(
+                self.model,
+                config.lora,
+                self.dtype,
+                self.device,
+                use_kernels=self.attention_backend == "triton",  # the interpreter runs them on a CPU (tests)
+            )
+            if config.lora is not None
+            else None
+        )
+        self._profile = StepProfile(self.model, self.device) if config.profile_steps else None
+        # What the last step sampled, by sequence: the next plan's deferred inputs. The only
+        # thing a worker carries from one step to the next.
+        self._last_sampled: dict[int, int] = {}
+        # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
+        self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
+        self.shape = self.model.shape
+        self.max_model_len = self.shape.max_position_embeddings
+        self.block_size = config.cache.block_size
+        self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)
+        self.profiled_peak_bytes: int | None = None  # the heaviest step's, when CUDA memory was profiled
+        num_blocks = self._kv_capacity()
+        self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            tokens=num_blocks * self.block_size,
+            gib=round(self.kv.nbytes / kv_cache.GIB, 3),
+        )
+        log.info(
+            "swap_pool_allocated",
+            num_blocks=self.kv.num_cpu_blocks,
+            tokens=self.kv.num_cpu_blocks * self.block_size,
+            gib=round(self.kv.host_nbytes / kv_cache.GIB, 3),
+            pinned=self.kv.pinned,
+        )
+        if self._warms_up():
+            self._warm_up()
+        self._graphs = self._capture_graphs() if self._use_graphs() else None
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One step (ModelRunner's): the memory profile and the warm-up run real ones."""
+
+    def _warms_up(self) -> bool:
+        # Triton compiles a kernel on its first launch (seconds): on CUDA that happens here,
+        # not in the first requests' steps.
+        return self.device.type == "cuda"
+
+    def _warm_up(self) -> None:
+        """A prompt step, then a decode step for each compiled variant of the decode kernels a
+        step can pick (_warm_up_decodes), in blocks 0-1, before any sequence owns them."""
+        if self.kv.num_blocks < 2:
+            return
+        context = self.block_size + self.block_size // 2
+        prompt, _ = heaviest_step(context, 1, self.block_size, self.shape.vocab_size)
+        shapes = self._warm_up_decodes()
+        decodes = [decode_step(self.block_size, self.shape.vocab_size, n, w) for n, w in shapes]
+        decodes[0] = with_open_masks(decodes[0], self.shape.vocab_size)
+        for plan in (prompt, *decodes):
+            self.execute(plan)
+        self._last_sampled = {}
+        log.info("worker_warmed_up", steps=("prompt", *(f"decode {n}x{w}" for n, w in shapes)))
+
+    def _warm_up_decodes(self) -> list[tuple[int, int]]:
+        """(sequences, block-table width) of the warm-up's decode steps. The Triton kernels'
+        step-sized integers are not specialised (kernels/*.py), so what still picks a variant
+        is the decode merge's split tile: one step for each value the split heuristic can
+        choose within max_num_seqs and the widest table (kernels.paged_attention.decode_shapes).
+        """
+        if self.attention_backend != "triton":
+            return [(1, 2)]
+        s = self.shape
+        widest = -(-self.max_model_len // self.block_size)
+        shapes = decode_shapes(
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
+            self.block_size,
+            self.config.max_num_seqs,
+            widest,
+        )
+        found = sorted(shapes.values())
+        # Which variants a device reaches follows its SM count, but the ranks of a
+        # tensor-parallel group (GPUs of different models, at worst) must run as many steps,
+        # each holding collectives: every rank runs one per possible tile, repeating its last.
+        return found + found[-1:] * (len(MERGE_PADS) - len(found))
+
+    def _use_graphs(self) -> bool:
+        # Profiling synchronizes the device at every part, which a capture cannot contain.
+        return (
+            self.device.type == "cuda"
+            and self.attention_backend == "triton"
+            and not self.config.enforce_eager
+            and not self.config.profile_steps
+        )
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv.layers, meta),
+            TritonAttentionMetadata,
+            graph_buckets(self.config.max_num_seqs),
+            -(-self.max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+        )
+        graphs.capture()
+        return graphs
+
+    def info(self, model_name: str) -> WorkerInfo:
+        return WorkerInfo(
+            model_name=model_name,
+            vocab_size=self.shape.vocab_size,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            rank=self.group.rank,
+            world_size=self.group.world_size,
+            block_size=self.block_size,
+            num_gpu_blocks=self.kv.num_blocks,
+            num_cpu_blocks=self.kv.num_cpu_blocks,
+            block_bytes=kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype),
+            max_loras=self.lora.max_loras if self.lora is not None else 0,
+            max_lora_rank=self.config.lora.max_lora_rank if self.config.lora is not None else 0,
+        )
+
+    # ---- capacity ----
+
+    def _kv_capacity(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if cache.kv_cache_gb is not None:
+            budget = cache.kv_cache_gb * kv_cache.GIB
+        elif not self._profiles_memory():
+            budget = host_memory.default_cpu_kv_bytes(host_memory.available_bytes())
+        else:
+            budget = self._profile_cuda_budget()
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+
+    def _swap_capacity(self) -> int:
+        """Host blocks for preempted sequences; 0 turns swapping off."""
+        cache = self.config.cache
+        if cache.num_cpu_blocks is not None:
+            return cache.num_cpu_blocks
+        if cache.swap_space_gb is not None:
+            budget = cache.swap_space_gb * kv_cache.GIB
+        else:
+            budget = host_memory.default_swap_bytes(self.device.type, host_memory.available_bytes())
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+
+    def _profiles_memory(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _profile_cuda_budget(self) -> float:
+        """What is left of gpu_memory_utilization after weights and the peak of the heaviest
+        step (worker_svc/step/probe_plans.py): a full token budget over max_num_seqs sampled rows,
+        and on the torch attention path also max_num_seqs rows decoding at the longest context
+        (it gathers each row's whole context into new tensors)."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        plan, blocks = heaviest_step(tokens, self.config.max_num_seqs, self.block_size, self.shape.vocab_size)
+        # Each probe with what to lower when it does not fit.
+        probes = [(plan, "--max-num-batched-tokens or --max-num-seqs")]
+        if self.attention_backend == "torch":
+            widest = widest_decode_step(
+                self.config.max_num_seqs, self.max_model_len - 1, self.block_size, self.shape.vocab_size, blocks
+            )
+            probes.append((widest, "--max-num-seqs or --max-model-len, or use --attention-backend triton"))
+        self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        for probe, lower in probes:
+            try:
+                self.execute(probe)
+            except torch.cuda.OutOfMemoryError as error:
+                raise RuntimeError(
+                    f"a step of {probe.num_seqs} rows and {probe.num_tokens} tokens, contexts up to "
+                    f"{int(probe.context_lens.max()) + 1}, does not fit on {self.device} beside the weights: "
+                    f"lower {lower}"
+                ) from error
+        self._last_sampled = {}
+        torch.cuda.synchronize(self.device)
+        self.profiled_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before  # the step's own
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes  # weights and the step
+        del self.kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use_elsewhere = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - in_use_elsewhere - peak
+        log.info("kv_profiled", peak_gib=round(peak / kv_cache.GIB, 3), budget_gib=round(budget / kv_cache.GIB, 3))
+        return max(budget, 0.0)
