@@ -39,7 +39,7 @@ from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.request import GenerationRequest, Limits, RequestOutput, sampling_params, stopping_params
+from scheduler_svc.engine.request import GenerationRequest, Limits, RequestOutput, sampling_options, stopping_params
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import FinishReason, Sequence
@@ -184,7 +184,7 @@ def reference(spec: ModelSpec, req: GenerationRequest) -> tuple[dict[int, tuple[
     bm = BlockManager(4096, BLOCK_SIZE, enable_prefix_caching=False)
     s = Scheduler(SchedulerConfig(), bm, spec.max_model_len, spec.eos_token_ids, block_bytes=1000)
     assert req.seed is not None
-    sampling = sampling_params(req, req.seed, limits)
+    sampling = sampling_options(req, req.seed, limits)
     seq = Sequence(
         s.queues.new_seq_id(), req.request_id, list(req.prompt_token_ids), sampling, stopping_params(req), arrival=0
     )

@@ -33,7 +33,7 @@ from scheduler_svc.engine.request import (
     RequestOutput,
     check_fields,
     check_length,
-    sampling_params,
+    sampling_options,
     stopping_params,
 )
 from scheduler_svc.engine.request_stream import TRACE_FIELDS, RequestStream
@@ -222,7 +222,7 @@ class Engine:
         if self._streams.get(request_id) is not None:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        sampling = sampling_params(req, seed, self.limits)
+        sampling = sampling_options(req, seed, self.limits)
         total = len(tokens) + (req.max_tokens or self.limits.max_model_len - len(tokens))
         target = self._fleet.router.place(
             ready,

@@ -262,7 +262,7 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
 MIN_TEMPERATURE = 1e-5
 
 
-def sampling_params(req: GenerationRequest, seed: int, limits: Limits) -> SamplingOptions:
+def sampling_options(req: GenerationRequest, seed: int, limits: Limits) -> SamplingOptions:
     return SamplingOptions(
         temperature=float(req.temperature) if req.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=float(req.top_p) if req.top_p > 0 else 1.0,

@@ -51,7 +51,7 @@ from scheduler_svc.sched.plan_builder import PlanBuilder
 from scheduler_svc.sched.preemption import PreemptionPolicy
 from scheduler_svc.sched.queues import Queues
 from scheduler_svc.sched.sequence import FinishReason, Sequence
-from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.sched.sequence_group import SequenceGroup, shared_prompt_blocks
 from scheduler_svc.sched.step_planner import StepPlanner
 from scheduler_svc.sched.token_events import ResultApplier, TokenEvent
 
@@ -115,7 +115,7 @@ class Scheduler:
         it shared would admit a group its own admission check could never take back.
         """
         bm = self.block_manager
-        shared = (num_prompt_tokens - 1) // bm.block_size
+        shared = shared_prompt_blocks(num_prompt_tokens, bm.block_size)
         return shared + width * (bm.blocks_for(max_total_tokens) - shared)
 
     def can_ever_fit(self, num_prompt_tokens: int, max_total_tokens: int, width: int = 1) -> bool:

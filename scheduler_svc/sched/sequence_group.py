@@ -73,11 +73,8 @@ class SequenceGroup:
         return self.adapter.cache_salt if self.adapter is not None else 0
 
     def shared_prompt_blocks(self, block_size: int) -> int:
-        """Full blocks of the prompt that every sequence of the group holds in common.
-
-        The block with the last prompt token is excluded: forks write into it.
-        """
-        return (len(self.seqs[0].prompt_token_ids) - 1) // block_size
+        """Full blocks of the prompt that every sequence of the group holds in common."""
+        return shared_prompt_blocks(len(self.seqs[0].prompt_token_ids), block_size)
 
     @property
     def is_beam(self) -> bool:
@@ -105,3 +102,9 @@ class SequenceGroup:
             return list(self.seqs)
         ranked = sorted(self.seqs, key=lambda s: (-s.cumulative_logprob, s.index))
         return ranked[: self.sampling.n]
+
+
+def shared_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full blocks of a prompt that a group's sequences share: every block before the one with
+    the last prompt token, which each sample (forked before that token) writes for itself."""
+    return (num_prompt_tokens - 1) // block_size
