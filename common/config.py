@@ -51,6 +51,44 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Bounds no request can break (INVALID_ARGUMENT naming the limit beyond them), so that one
+    caller's input cannot stall the event loop or fill memory for everyone."""
+
+    # Prompt text (or all chat messages together), in UTF-8 bytes, checked before tokenizing.
+    max_prompt_bytes: int = 1 << 20
+    # Tokenize's text in bytes, Detokenize's token count.
+    max_tokenize_bytes: int = 1 << 20
+    max_detokenize_tokens: int = 1 << 18
+    # Each stop string's length in characters (their count is SchedulerConfig.max_stop_strings).
+    max_stop_string_length: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    # Structured outputs: the schema, regex or grammar text in bytes, a JSON schema's nesting
+    # depth, the seconds one compile may take (then RESOURCE_EXHAUSTED), and the compiled
+    # grammars kept for reuse, in bytes.
+    max_grammar_bytes: int = 64 << 10
+    max_grammar_depth: int = 32
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompt_bytes",
+            "max_tokenize_bytes",
+            "max_detokenize_tokens",
+            "max_stop_string_length",
+            "max_grammar_bytes",
+            "max_grammar_depth",
+            "grammar_cache_bytes",
+        ):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        _require(self.max_stop_token_ids >= 0, "max_stop_token_ids must not be negative")
+        _require(self.max_logit_bias >= 0, "max_logit_bias must not be negative")
+        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be positive")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits of the scheduler."""
 
@@ -88,8 +126,21 @@ class SchedulerConfig:
     enable_lora: bool = False
     max_lora_rank: int = 64
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Adapter directories must lie under lora_root (after resolving links; None: anywhere for
+    # lora_modules, and no runtime loading at all). LoadAdapter works only with
+    # allow_runtime_lora, an operator's choice, since it reads files the caller names.
+    lora_root: str | None = None
+    allow_runtime_lora: bool = False
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
+        _require(
+            self.lora_root is None or Path(self.lora_root).is_dir(), f"lora_root {self.lora_root!r} is not a directory"
+        )
+        _require(
+            not self.allow_runtime_lora or self.lora_root is not None,
+            "runtime LoRA loading needs a root to load from (--lora-root DIR)",
+        )
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
         _require(self.block_size >= 0, "block_size must not be negative")
         _require(self.max_queue_len > 0, "max_queue_len must be positive")
@@ -230,6 +281,41 @@ class TlsClientConfig:
         _require(self.server_name is None or bool(self.server_name), "TLS server name must not be empty")
 
 
+def _check_secret(secret: str, what: str) -> None:
+    # Metadata values are ASCII; a key with spaces or a short one is a mistake, not a choice.
+    _require(len(secret) >= 8, f"{what} must be at least 8 characters")
+    _require(
+        secret.isascii() and secret.isprintable() and " " not in secret, f"{what} must be printable ASCII, no spaces"
+    )
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Who may call a service (docs/design.md section 5).
+
+    api_keys admit clients (`authorization: Bearer KEY`); admin_keys admit clients to the admin
+    RPCs as well (adapters, cache flush, KV events, profiling). With api_keys but no admin_keys,
+    every api key is an admin key (vLLM's one-key model). worker_token is what workers and the
+    scheduler show each other: Register on the scheduler, Describe and Execute on a worker.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    worker_token: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:
+            _check_secret(key, "an API key")
+        for key in self.admin_keys:
+            _check_secret(key, "an admin API key")
+        if self.worker_token is not None:
+            _check_secret(self.worker_token, "the worker token")
+
+    @property
+    def clients_authenticated(self) -> bool:
+        return bool(self.api_keys or self.admin_keys)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Where a service listens."""
@@ -246,8 +332,44 @@ class ServerConfig:
     # Server reflection lets grpcurl list and call the API without the .proto files; some
     # deployments do not want the API surface discoverable. Health stays on either way.
     reflection: bool = True
+    # Client keys and the worker token (AuthConfig below); empty: nothing asked for.
+    auth: AuthConfig = AuthConfig()
+    # A second listener that serves only the gateway protocol (vllm.grpc.engine.VllmEngine) to
+    # smg, which dials without credentials: callers there count as the gateway, so bind it
+    # where only the gateway reaches it (loopback, or a port a NetworkPolicy keeps to the
+    # gateway's pods). 0: none.
+    gateway_port: int = 0
+    gateway_host: str = "127.0.0.1"
+    # The most RPCs in progress at once (more get RESOURCE_EXHAUSTED) and HTTP/2 streams per
+    # connection; a request's stream counts as one RPC while it lasts.
+    max_concurrent_rpcs: int = 2048
+    max_streams_per_connection: int = 512
 
     def __post_init__(self) -> None:
+        _require(0 <= self.gateway_port < 65536, f"gateway_port must lie in [0, 65535], got {self.gateway_port}")
+        _require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be at least 1")
+        _require(self.max_streams_per_connection >= 1, "max_streams_per_connection must be at least 1")
         _require(0 <= self.port < 65536, f"port must lie in [0, 65535], got {self.port}")
         _require(0 <= self.metrics_port < 65536, f"metrics_port must lie in [0, 65535], got {self.metrics_port}")
         _require(self.drain_timeout >= 0, "drain_timeout must not be negative")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Which workers may join a scheduler by registering (the worker plane, docs/design.md section 5)."""
+
+    enabled: bool = True
+    # Addresses the scheduler may dial when a rank registers: "host:port", "host" (any port) or
+    # "unix:///path". Empty: any address (the worker token still decides who may register).
+    allow: tuple[str, ...] = ()
+    # Seconds the ranks of a group may wait for the rest of it; then they are dropped, so an
+    # incomplete group cannot hold a name (or a Register stream) for ever.
+    join_timeout: float = 120.0
+    # Ranks registered but not yet in a complete group, over all groups.
+    max_pending: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.join_timeout > 0, "join_timeout must be positive")
+        _require(self.max_pending >= 1, "max_pending must be at least 1")
+        for entry in self.allow:
+            _require(bool(entry.strip()), "a worker allow-list entry is empty")

@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 from common.config import (
+    AuthConfig,
     CacheConfig,
     LoraConfig,
+    RegistryConfig,
+    RequestLimits,
     SchedulerConfig,
     ServerConfig,
     TlsClientConfig,
@@ -66,7 +69,8 @@ def client_tls_config(a: argparse.Namespace, peer: str) -> TlsClientConfig | Non
     return TlsClientConfig(ca=ca, cert=cert, key=key, server_name=server_name)
 
 
-def server_config(a: argparse.Namespace) -> ServerConfig:
+def server_config(a: argparse.Namespace, worker_token: str | None = None) -> ServerConfig:
+    """The scheduler's listener; `worker_token` overrides the flags' (what `up` made for its workers)."""
     return ServerConfig(
         host=a.host,
         port=a.port,
@@ -74,6 +78,73 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         tls=tls_config(a),
         reflection=not a.no_reflection,
         drain_timeout=a.drain_timeout,
+        auth=auth_config(a, worker_token),
+        gateway_port=getattr(a, "gateway_port", 0),
+        gateway_host=getattr(a, "gateway_host", "127.0.0.1"),
+        max_concurrent_rpcs=getattr(a, "max_concurrent_rpcs", 2048),
+        max_streams_per_connection=getattr(a, "max_streams_per_connection", 512),
+    )
+
+
+def _secrets(values: list[str], path: str | None, env: str) -> tuple[str, ...]:
+    """Keys from the flag (repeated), a file of one per line, and a comma-separated variable."""
+    keys = [v.strip() for v in values]
+    if path is not None:
+        try:
+            keys += Path(path).read_text().split()
+        except OSError as error:
+            raise ValueError(f"cannot read the key file {path!r}: {error.strerror}") from None
+    keys += [k.strip() for k in os.environ.get(env, "").split(",")]
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def worker_token(a: argparse.Namespace) -> str | None:
+    """The worker plane's token: --worker-token-file, else LLMSERVE_WORKER_TOKEN, else none."""
+    path = getattr(a, "worker_token_file", None)
+    if path is not None:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as error:
+            raise ValueError(f"cannot read --worker-token-file {path!r}: {error.strerror}") from None
+        if not token:
+            raise ValueError(f"--worker-token-file {path!r} is empty")
+        return token
+    return os.environ.get(WORKER_TOKEN_ENV) or None
+
+
+WORKER_TOKEN_ENV = "LLMSERVE_WORKER_TOKEN"
+
+
+def auth_config(a: argparse.Namespace, token: str | None = None) -> AuthConfig:
+    return AuthConfig(
+        api_keys=_secrets(getattr(a, "api_key", []), getattr(a, "api_key_file", None), "LLMSERVE_API_KEY"),
+        admin_keys=_secrets(
+            getattr(a, "admin_api_key", []), getattr(a, "admin_api_key_file", None), "LLMSERVE_ADMIN_API_KEY"
+        ),
+        worker_token=token if token is not None else worker_token(a),
+    )
+
+
+def registry_config(a: argparse.Namespace) -> RegistryConfig:
+    return RegistryConfig(
+        enabled=not getattr(a, "no_registration", False),
+        allow=tuple(getattr(a, "worker_allow", [])),
+        join_timeout=getattr(a, "registration_timeout", 120.0),
+    )
+
+
+def request_limits(a: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_prompt_bytes=a.max_prompt_bytes,
+        max_tokenize_bytes=a.max_tokenize_bytes,
+        max_detokenize_tokens=a.max_detokenize_tokens,
+        max_stop_string_length=a.max_stop_string_length,
+        max_stop_token_ids=a.max_stop_token_ids,
+        max_logit_bias=a.max_logit_bias,
+        max_grammar_bytes=a.max_grammar_bytes,
+        max_grammar_depth=a.max_grammar_depth,
+        grammar_compile_timeout=a.grammar_compile_timeout,
+        grammar_cache_bytes=a.grammar_cache_mb << 20,
     )
 
 
@@ -97,6 +168,9 @@ def scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         enable_lora=lora_enabled(a),
         max_lora_rank=a.max_lora_rank,
         lora_modules=_lora_modules(a.lora_modules),
+        lora_root=a.lora_root,
+        allow_runtime_lora=a.allow_runtime_lora,
+        limits=request_limits(a),
     )
 
 

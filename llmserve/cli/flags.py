@@ -130,6 +130,18 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     )
     add_lora_flags(p)
     p.add_argument(
+        "--lora-root",
+        default=None,
+        metavar="DIR",
+        help="adapter directories must lie under DIR (after resolving links); needed by --allow-runtime-lora",
+    )
+    p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="let admin callers load adapters from --lora-root at run time (LoadAdapter)",
+    )
+    add_limit_flags(p)
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         default=[],
@@ -232,4 +244,91 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_METRICS_PORT,
         help=f"Prometheus port of the HTTP gateway (smg_* metrics; default {DEFAULT_METRICS_PORT})",
+    )
+
+
+def add_client_auth_flags(p: argparse.ArgumentParser) -> None:
+    """Client keys of the scheduler's APIs (`up` and `scheduler`)."""
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key every client RPC must present as `authorization: Bearer KEY` (and every HTTP request, through "
+        "the gateway); repeat for several. Also read from --api-key-file and LLMSERVE_API_KEY (comma-separated)",
+    )
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="file of API keys, one per line")
+    p.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key for the admin RPCs too (LoadAdapter, UnloadAdapter, FlushCache, SubscribeKvEvents, profiling, "
+        "priority below 0); without one, every --api-key is an admin key. Also --admin-api-key-file and "
+        "LLMSERVE_ADMIN_API_KEY",
+    )
+    p.add_argument("--admin-api-key-file", default=None, metavar="PATH", help="file of admin API keys, one per line")
+
+
+def add_worker_token_flags(p: argparse.ArgumentParser) -> None:
+    """The secret of the worker plane, never on the command line (argv is public on a host)."""
+    p.add_argument(
+        "--worker-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the worker token that workers and the scheduler present to each other "
+        "(or LLMSERVE_WORKER_TOKEN); `llmserve up` makes one for its own workers",
+    )
+
+
+def add_registry_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-registration", action="store_true", help="refuse every Register call: serve only the --worker addresses"
+    )
+    p.add_argument(
+        "--worker-allow",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="an address registering workers may give (host:port, host, or unix:///path); repeat for several "
+        "(default: any, as long as the worker token matches)",
+    )
+    p.add_argument(
+        "--registration-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a registered rank may wait for the rest of its group before it is dropped (default 120)",
+    )
+
+
+def add_gateway_port_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=0,
+        help="a second port serving only the gateway protocol to smg, which sends no API key: its callers count as "
+        "the gateway (admin). Bind it where only the gateway reaches it (default 0 = none)",
+    )
+    p.add_argument("--gateway-host", default="127.0.0.1", help="address of --gateway-port (default 127.0.0.1)")
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Bounds on what one request may ask (common/config.py RequestLimits)."""
+    p.add_argument("--max-prompt-bytes", type=at_least(1, int), default=1 << 20, help="prompt text, bytes (1 MiB)")
+    p.add_argument("--max-tokenize-bytes", type=at_least(1, int), default=1 << 20, help="Tokenize text, bytes (1 MiB)")
+    p.add_argument("--max-detokenize-tokens", type=at_least(1, int), default=1 << 18, help="Detokenize tokens (262144)")
+    p.add_argument("--max-stop-string-length", type=at_least(1, int), default=256, help="characters (256)")
+    p.add_argument("--max-stop-token-ids", type=at_least(0, int), default=64, help="per request (64)")
+    p.add_argument("--max-logit-bias", type=at_least(0, int), default=1024, help="logit_bias entries (1024)")
+    p.add_argument(
+        "--max-grammar-bytes", type=at_least(1, int), default=64 << 10, help="schema, regex or grammar text (64 KiB)"
+    )
+    p.add_argument("--max-grammar-depth", type=at_least(1, int), default=32, help="JSON schema nesting (32)")
+    p.add_argument(
+        "--grammar-compile-timeout", type=at_least(0.001, float), default=10.0, help="seconds per compile (10)"
+    )
+    p.add_argument("--grammar-cache-mb", type=at_least(1, int), default=256, help="compiled grammars kept, MiB (256)")
+    p.add_argument("--max-concurrent-rpcs", type=at_least(1, int), default=2048, help="RPCs in progress at once (2048)")
+    p.add_argument(
+        "--max-streams-per-connection", type=at_least(1, int), default=512, help="HTTP/2 streams per connection (512)"
     )

@@ -11,14 +11,18 @@ import argparse
 import os
 
 from llmserve.cli.flags import (
+    add_client_auth_flags,
+    add_gateway_port_flags,
     add_http_flags,
     add_lora_flags,
     add_model_flags,
+    add_registry_flags,
     add_scheduler_flags,
     add_security_flags,
     add_server_flags,
     add_worker_flags,
     add_worker_tls_flags,
+    add_worker_token_flags,
     at_least,
     at_most_one,
 )
@@ -62,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(up)
     add_server_flags(up, 50051)
     add_security_flags(up)
+    add_client_auth_flags(up)
     add_scheduler_flags(up)
     add_worker_flags(up)
     up.add_argument(
@@ -75,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(sched)
     add_server_flags(sched, 50051)
     add_security_flags(sched)
+    add_client_auth_flags(sched)
+    add_worker_token_flags(sched)
+    add_registry_flags(sched)
+    add_gateway_port_flags(sched)
     add_scheduler_flags(sched)
     sched.add_argument(
         "--worker",
@@ -141,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
     worker.add_argument("--dist-init", default="", help=argparse.SUPPRESS)
     add_security_flags(worker)
+    add_worker_token_flags(worker)
     add_worker_flags(worker)
 
     gen = sub.add_parser(

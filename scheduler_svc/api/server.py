@@ -11,14 +11,15 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import SchedulerConfig, ServerConfig, TlsClientConfig
+from common.config import RegistryConfig, SchedulerConfig, ServerConfig, TlsClientConfig
+from common.grpc.auth import AuthInterceptor, is_loopback
 from common.grpc.error_interceptor import ErrorInterceptor
 from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.grpc.server_metrics import GrpcMetricsInterceptor
 from common.grpc.tls import tls_mode
 from common.model_spec import ModelSpec
 from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
-from scheduler_svc.api import tgis_servicer, vllm_servicer
+from scheduler_svc.api import roles, tgis_servicer, vllm_servicer
 from scheduler_svc.api.generation_servicer import GenerationServicer
 from scheduler_svc.api.registry_servicer import RegistryServicer
 from scheduler_svc.engine.engine import Engine
@@ -47,8 +48,10 @@ class SchedulerServer:
         step_timeout: float = 600.0,
         worker_tls: TlsClientConfig | None = None,
         health_interval: float = 5.0,
+        registry_config: RegistryConfig | None = None,
     ) -> None:
         self.server_config = server_config
+        self.registry_config = registry_config or RegistryConfig()
         spec = ModelSpec.from_dir(model_dir)
         self.metrics = SchedulerMetrics(spec.name)
         self.health = health.aio.HealthServicer()
@@ -70,9 +73,16 @@ class SchedulerServer:
         self.registry = WorkerRegistry(
             spec.name, self.engine.attach_group, self.engine.detach_group, block_size=lambda: self.engine.block_size
         )
-        # Metrics outermost: an error is counted under the status code the client saw.
+        # Metrics outermost: an error, a refused credential too, is counted under the status
+        # code the client saw. Credentials are checked before the handler decodes anything.
         self.server = grpc.aio.server(
-            options=[EXCLUSIVE], interceptors=[GrpcMetricsInterceptor(self.metrics.registry), ErrorInterceptor()]
+            options=[EXCLUSIVE, ("grpc.max_concurrent_streams", server_config.max_streams_per_connection)],
+            interceptors=[
+                GrpcMetricsInterceptor(self.metrics.registry),
+                AuthInterceptor(server_config.auth, roles.role_of),
+                ErrorInterceptor(),
+            ],
+            maximum_concurrent_rpcs=server_config.max_concurrent_rpcs,
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine), self.server)
         tgis_servicer.register(self.server, self.engine)
@@ -120,6 +130,7 @@ class SchedulerServer:
         if cfg.metrics_port:
             serve_http(self.metrics.serve, cfg.metrics_port, cfg.host, "--metrics-port")
         self.engine.start()
+        self._warn_if_open(cfg)
         log.info(
             "scheduler_listening",
             host=cfg.host,
@@ -127,8 +138,28 @@ class SchedulerServer:
             metrics_port=cfg.metrics_port or None,
             tls=tls_mode(cfg.tls),
             reflection=cfg.reflection,
+            client_keys=len(cfg.auth.api_keys) + len(cfg.auth.admin_keys),
+            worker_token=cfg.auth.worker_token is not None,
         )
         return self.port
+
+    @staticmethod
+    def _warn_if_open(cfg: ServerConfig) -> None:
+        """Say loudly what an address others can reach serves without credentials."""
+        if is_loopback(cfg.host):
+            return
+        if not cfg.auth.clients_authenticated:
+            log.warning(
+                "serving_unauthenticated",
+                host=cfg.host,
+                detail="no --api-key: anyone who reaches this address can generate, load adapters and flush the cache",
+            )
+        if cfg.auth.worker_token is None:
+            log.warning(
+                "workers_unauthenticated",
+                host=cfg.host,
+                detail="no worker token: anyone who reaches this address can register as a worker and read prompts",
+            )
 
     async def stop(self) -> None:
         """Drain: NOT_SERVING, new requests refused, in-flight ones get the grace period to finish."""
