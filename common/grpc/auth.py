@@ -141,7 +141,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if self._trusted is not None:
             verdict = Verdict(self._trusted)
         else:
-            secret = presented(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
+            secret = presented(handler_call_details.invocation_metadata)
             verdict = judge(self._auth, self._role_of(method), secret)
         handler = await continuation(handler_call_details)
         if handler is None:
