@@ -340,6 +340,11 @@ class ServerConfig:
     # gateway's pods). 0: none.
     gateway_port: int = 0
     gateway_host: str = "127.0.0.1"
+    # The worker plane on a port of its own (llmserve.v1.Registry and health only; the main
+    # port then no longer serves Registry), so that a network policy can keep workers and
+    # clients apart. 0: Registry on the main port.
+    registry_port: int = 0
+    registry_host: str = "127.0.0.1"
     # The most RPCs in progress at once (more get RESOURCE_EXHAUSTED) and HTTP/2 streams per
     # connection; a request's stream counts as one RPC while it lasts.
     max_concurrent_rpcs: int = 2048
@@ -347,6 +352,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _require(0 <= self.gateway_port < 65536, f"gateway_port must lie in [0, 65535], got {self.gateway_port}")
+        _require(0 <= self.registry_port < 65536, f"registry_port must lie in [0, 65535], got {self.registry_port}")
         _require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be at least 1")
         _require(self.max_streams_per_connection >= 1, "max_streams_per_connection must be at least 1")
         _require(0 <= self.port < 65536, f"port must lie in [0, 65535], got {self.port}")

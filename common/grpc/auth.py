@@ -48,6 +48,8 @@ class Caller:
 # Without client keys every caller is this one: it owns every request and may do anything,
 # which is what a server on loopback with nothing configured has always allowed.
 ANONYMOUS = Caller("anonymous", admin=True)
+# An open RPC (health, reflection) on a server that has keys: nobody in particular.
+PUBLIC = Caller("public", admin=False)
 _CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("llmserve_caller", default=ANONYMOUS)
 
 
@@ -98,7 +100,7 @@ class Verdict:
 def judge(auth: AuthConfig, role: Role, secret: str | None) -> Verdict:
     """Whether a call of `role` presenting `secret` may proceed, and as whom."""
     if role is Role.OPEN:
-        return Verdict(ANONYMOUS)
+        return Verdict(PUBLIC if auth.clients_authenticated else ANONYMOUS)
     if role is Role.WORKER:
         if auth.worker_token is None:
             return Verdict(Caller("worker", admin=False))

@@ -81,6 +81,8 @@ def server_config(a: argparse.Namespace, worker_token: str | None = None) -> Ser
         auth=auth_config(a, worker_token),
         gateway_port=getattr(a, "gateway_port", 0),
         gateway_host=getattr(a, "gateway_host", "127.0.0.1"),
+        registry_port=getattr(a, "registry_port", 0),
+        registry_host=getattr(a, "registry_host", "127.0.0.1"),
         max_concurrent_rpcs=getattr(a, "max_concurrent_rpcs", 2048),
         max_streams_per_connection=getattr(a, "max_streams_per_connection", 512),
     )

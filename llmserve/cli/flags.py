@@ -310,6 +310,14 @@ def add_gateway_port_flags(p: argparse.ArgumentParser) -> None:
         "the gateway (admin). Bind it where only the gateway reaches it (default 0 = none)",
     )
     p.add_argument("--gateway-host", default="127.0.0.1", help="address of --gateway-port (default 127.0.0.1)")
+    p.add_argument(
+        "--registry-port",
+        type=int,
+        default=0,
+        help="serve worker registration (llmserve.v1.Registry) on this port instead of --port, so a network policy "
+        "can keep the worker plane apart (default 0 = on --port)",
+    )
+    p.add_argument("--registry-host", default="127.0.0.1", help="address of --registry-port (default 127.0.0.1)")
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
