@@ -76,10 +76,18 @@ def _encode_masks(sampling: worker_pb.SamplingBatch, masks: np.ndarray) -> None:
     sampling.mask_token_ids = pack(parts.ids, np.int32)
 
 
-def decode_plan(msg: worker_pb.StepPlan) -> StepPlan:
-    """Decode a plan; malformed byte lengths raise ValueError naming the field."""
+def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size: int | None = None) -> StepPlan:
+    """Decode a plan; malformed byte lengths raise ValueError naming the field.
+
+    A worker passes its bounds, so that sizes no scheduler sends are refused before anything is
+    built from them: `max_seqs` sequences (its KV blocks: every sequence of a step writes into a
+    block of its own), and mask rows of at most ceil(`vocab_size` / 32) words, one per sequence
+    at most (a sparse row costs a byte on the wire and a whole row once joined).
+    """
     seq_ids = unpack(msg.seq_ids, np.int64, "seq_ids")
     n = seq_ids.shape[0]
+    if max_seqs is not None and n > max_seqs:
+        raise ValueError(f"seq_ids: {n} sequences in one step, more than this worker's {max_seqs} KV blocks")
     width = msg.block_table_width
     tables = unpack(msg.block_tables, np.int32, "block_tables", n * width)
     s = msg.sampling
@@ -111,7 +119,7 @@ def decode_plan(msg: worker_pb.StepPlan) -> StepPlan:
             prompt_logprobs=_optional(s.prompt_logprobs, np.int32, "sampling.prompt_logprobs", n),
             prompt_next_token=_optional(s.prompt_next_token, np.int32, "sampling.prompt_next_token", n),
             mask_rows=_optional(s.mask_rows, np.int32, "sampling.mask_rows", n),
-            token_masks=_decode_masks(s),
+            token_masks=_decode_masks(s, n, vocab_size),
         ),
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
@@ -127,12 +135,19 @@ def _optional(data: bytes, dtype: type, field: str, count: int) -> np.ndarray:
     return unpack(data, dtype, field, count if data else 0)
 
 
-def _decode_masks(s: worker_pb.SamplingBatch) -> np.ndarray:
+def _decode_masks(s: worker_pb.SamplingBatch, num_seqs: int, vocab_size: int | None) -> np.ndarray:
     words = s.token_mask_words
+    if vocab_size is not None and words > -(-vocab_size // 32):
+        raise ValueError(
+            f"sampling.token_mask_words: {words} words a row, a vocabulary of {vocab_size} needs {-(-vocab_size // 32)}"
+        )
     dense = unpack(s.token_masks, np.int32, "sampling.token_masks")
     if dense.size and (not words or dense.size % words):
         raise ValueError(f"sampling.token_masks: {dense.size} words is not a whole number of rows of {words}")
     dense = dense.reshape(-1, words) if dense.size else np.zeros((0, words), np.int32)
+    rows = len(s.mask_sparse) if s.mask_sparse else dense.shape[0]  # mask_sparse has a byte for every row
+    if rows > num_seqs:
+        raise ValueError(f"sampling.token_masks: {rows} mask rows for {num_seqs} sequences")
     if not s.mask_sparse:
         return dense
     parts = token_masks.SplitMasks(
@@ -187,6 +202,48 @@ def decode_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
         part_seconds=dict(msg.part_seconds),
         **_decode_prompt_logprobs(msg, num_seqs),
     )
+
+
+def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
+    """Refuse (ValueError) a decoded result that `plan` could not have produced: a token outside
+    the vocabulary, a token for a row that samples nothing, or more alternatives or prompt
+    scores than the plan asked for. The scheduler trusts nothing else a worker sends: what
+    passes here is indexed, appended to sequences and streamed to clients as it is."""
+    s = plan.sampling
+    sampled = plan.sample.astype(bool)
+    tokens = result.sampled_token_ids
+    if tokens[sampled].size and (int(tokens[sampled].min()) < 0 or int(tokens[sampled].max()) >= vocab_size):
+        raise ValueError(f"sampled_token_ids: a token outside the vocabulary of {vocab_size}")
+    if (tokens[~sampled] != -1).any():
+        raise ValueError("sampled_token_ids: a token for a sequence that samples nothing this step")
+    asked = s.num_logprobs[sampled] if s.num_logprobs.size else np.zeros(0, np.int32)
+    width = int(asked.max()) if asked.size else 0
+    if result.top_token_ids.shape[1] != width:
+        raise ValueError(f"top_width: {result.top_token_ids.shape[1]} alternatives a row, the plan asked for {width}")
+    _check_ids("top_token_ids", result.top_token_ids, vocab_size)
+    wanted = s.prompt_logprobs
+    if not (wanted.size and plan.num_seqs and int(wanted.max()) >= 0):
+        if result.prompt_offsets.size:
+            raise ValueError("prompt_offsets: prompt log-probabilities the plan did not ask for")
+        return
+    # Every fed position of an asking row scores the next prompt token, the last one only
+    # when the plan names it (common/plan.py, worker_svc/sampling/logprobs.py).
+    nxt = s.prompt_next_token if s.prompt_next_token.size else np.full(plan.num_seqs, -1, np.int32)
+    counts = np.where(wanted >= 0, plan.query_lens - 1 + (nxt >= 0), 0)
+    offsets = result.prompt_offsets
+    if offsets.shape != (plan.num_seqs + 1,) or offsets[0] != 0 or not np.array_equal(np.diff(offsets), counts):
+        raise ValueError("prompt_offsets: not the prompt positions the plan asked to score")
+    if result.prompt_top_token_ids.shape[1] != int(wanted.max()):
+        raise ValueError(
+            f"prompt_top_width: {result.prompt_top_token_ids.shape[1]} alternatives, the plan asked for {int(wanted.max())}"
+        )
+    _check_ids("prompt_top_token_ids", result.prompt_top_token_ids, vocab_size)
+
+
+def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
+    """Alternatives' token ids: in the vocabulary, or -1 (padding)."""
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{field}: a token outside the vocabulary of {vocab_size}")
 
 
 def _decode_prompt_logprobs(msg: worker_pb.StepResult, num_seqs: int) -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ an event loop in a thread of its own.
 It is `llmserve up` without the public port: the same worker command lines
 (llmserve/cli/worker.py), on unix sockets in a private mkdtemp directory, supervised and
 restarted the same way, and the same `Engine` the scheduler service serves, called directly
-instead of through gRPC. Nothing listens on TCP.
+instead of through gRPC. Nothing listens on TCP, and the workers' sockets take only the random
+worker token this engine makes and hands them in their environment (LLMSERVE_WORKER_TOKEN).
 
 The workers are started from the engine's thread, not the caller's: a worker asks the kernel
 for SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), and this thread lives
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -25,6 +27,7 @@ import structlog
 
 from common.errors import InvalidArgument, LlmserveError, NotFound, Unimplemented
 from common.model_spec import ModelSpec
+from llmserve.cli.configs import WORKER_TOKEN_ENV
 from llmserve.cli.up import gpu_share
 from llmserve.cli.worker import worker_args
 from llmserve.engine_args import EngineArgs
@@ -88,6 +91,8 @@ class LocalEngine:
     async def _start(self, args: EngineArgs, timeout: float) -> None:
         a = args.flags
         links: list[WorkerLink] = []
+        # The worker plane's token for this engine's own workers, and only them.
+        token = secrets.token_urlsafe(32)
         for i in range(a.workers):
             address = f"unix://{self.sockdir}/worker-{i}.sock"
             cmd = [
@@ -101,11 +106,12 @@ class LocalEngine:
             ]
             # A session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
             # interrupts the caller's generate, not the worker, which keeps serving the next call.
-            worker = Supervised(cmd, env=gpu_share(i, a.tp, a.workers), own_session=True)
+            env = {**(gpu_share(i, a.tp, a.workers) or os.environ), WORKER_TOKEN_ENV: token}
+            worker = Supervised(cmd, env=env, own_session=True)
             worker.start()
             self.workers.append(worker)
             ranks = rank_addresses(address, a.tp)
-            links.append(RankLinks(ranks) if a.tp > 1 else WorkerClient(address))
+            links.append(RankLinks(ranks, token=token) if a.tp > 1 else WorkerClient(address, token=token))
         self._engine = Engine(
             ModelSpec.from_dir(args.model), self.tokenizer, args.scheduler, links, chat_template=self.chat_template
         )

@@ -8,7 +8,8 @@ Rank r listens at its own address, derived from --listen:
 
 and the scheduler is given the list, in rank order (`--worker a,b,...`). The ranks meet at a
 TCP rendezvous on this host. When any rank exits, the others are terminated and the group
-exits non-zero: a group missing a rank can only hang in its next collective.
+exits non-zero: a group missing a rank can only hang in its next collective. Secrets (the
+worker token) reach the ranks in their environment, never their command lines.
 """
 
 from __future__ import annotations
@@ -41,13 +42,21 @@ def free_tcp_port() -> int:
 
 class RankLauncher:
     def __init__(
-        self, rank_cmd: list[str], listen: str, world_size: int, metrics_port: int = 0, advertise: str = ""
+        self,
+        rank_cmd: list[str],
+        listen: str,
+        world_size: int,
+        metrics_port: int = 0,
+        advertise: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
         """`rank_cmd`: the worker command line without --listen, the rank flags and metrics.
 
         With `metrics_port` P, rank r serves its metrics on P + r; with `advertise` (the address
         the scheduler dials for rank 0, when registering), rank r advertises its derived one.
+        `env`: the ranks' whole environment (None: this process's).
         """
+        self.env = env
         self.addresses = rank_addresses(listen, world_size)
         if metrics_port:
             taken = {int(a.rsplit(":", 1)[1]) for a in self.addresses if not a.startswith("unix:")}
@@ -79,7 +88,7 @@ class RankLauncher:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        self.procs = [subprocess.Popen(cmd) for cmd in self.commands]
+        self.procs = [subprocess.Popen(cmd, env=self.env) for cmd in self.commands]
         log.info(
             "rank_group_started",
             world_size=len(self.procs),

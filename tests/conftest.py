@@ -118,27 +118,15 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+def llmserve_command(command: str, model_dir: Path, *extra: str, dtype: str = "float32") -> list[str]:
+    """`llmserve COMMAND` on the CPU for `model_dir`, as the tests start it (warnings only)."""
+    cli = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", command]
+    return [*cli, "--model", str(model_dir), "--dtype", dtype, "--device", "cpu", *extra]
+
+
 def start_worker(model_dir: Path, *extra: str, dtype: str = "float32") -> WorkerProcess:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmserve.cli",
-        "--log-level",
-        "warning",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--listen",
-        address,
-        "--dtype",
-        dtype,
-        "--device",
-        "cpu",
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(llmserve_command("worker", model_dir, "--listen", address, *extra, dtype=dtype), cwd=REPO)
     return WorkerProcess(proc, address)
 
 

@@ -1,9 +1,14 @@
-"""Property-based fuzzing of every public RPC: the native API, TGIS and the gateway protocol.
+"""Property-based fuzzing of every public RPC: the native API, TGIS and the gateway protocol,
+and the worker plane.
 
 Random messages built from each method's own request descriptor (tests/proto_strategies.py),
 and random bytes, go to a real scheduler on a real port over the tiny model's worker. Only
 documented status codes may come back, the server must stay SERVING after every call, and
 once a method's examples are done every KV block must be back in the free pool.
+
+The worker plane (the scheduler's Registry, a worker's Describe and Execute) has a worker
+token on both sides: a caller without it gets UNAUTHENTICATED and nothing else, whatever it
+sends; with it, random step plans get INVALID_ARGUMENT or a result, and the worker serves on.
 
 LLMSERVE_FUZZ_EXAMPLES sets the examples per method and input kind (20 here);
 benchmarks/fuzz_api.py runs the same with many more.
@@ -26,9 +31,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from common.config import AuthConfig, SchedulerConfig, ServerConfig
+from common.grpc.auth import bearer_metadata
 from common.pb.fmaas import generation_pb2 as tgis_pb2
-from common.pb.llmserve.v1 import generation_pb2
-from tests.conftest import Scheduler, WorkerProcess, start_scheduler, stop_scheduler
+from common.pb.llmserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, worker_pb2
+from tests.conftest import Scheduler, WorkerProcess, start_worker, stop_scheduler
 from tests.proto_strategies import messages
 
 EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "20"))
@@ -60,7 +67,14 @@ METHODS: list[MethodDescriptor] = [
 ]
 
 
-class ThreadedScheduler:
+class Target:
+    """A server's blocking channel and its health (a scheduler, or a worker)."""
+
+    channel: grpc.Channel
+    health: health_pb2_grpc.HealthStub
+
+
+class ThreadedScheduler(Target):
     """The in-process scheduler on an event loop of its own thread, so that hypothesis's
     synchronous tests can call it with a blocking channel."""
 
@@ -68,7 +82,7 @@ class ThreadedScheduler:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.scheduler: Scheduler = self.run(start_scheduler(model_dir, worker_address))
+        self.scheduler: Scheduler = self.run(_start_scheduler(model_dir, worker_address))
         self.run(self.scheduler.wait_ready())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.scheduler.port}")
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -81,6 +95,25 @@ class ThreadedScheduler:
         self.run(stop_scheduler(self.scheduler))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+TOKEN = "fuzz-worker-token"
+
+
+async def _start_scheduler(model_dir: Path, worker_address: str) -> Scheduler:
+    """A scheduler with a worker token (its worker, which has none, takes any)."""
+    from scheduler_svc.api.server import SchedulerServer
+
+    server = SchedulerServer(
+        str(model_dir),
+        worker_address,
+        ServerConfig(host="127.0.0.1", port=0, auth=AuthConfig(worker_token=TOKEN)),
+        SchedulerConfig(),
+        step_timeout=60.0,
+    )
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return Scheduler(server, channel, generation_pb2_grpc.GenerationStub(channel), port)
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +129,50 @@ def server(tiny_model_dir: Path, tiny_worker: WorkerProcess) -> Iterator[Threade
 ENDLESS = {"vllm.grpc.engine.VllmEngine.SubscribeKvEvents"}
 
 
-def _call(s: ThreadedScheduler, method: MethodDescriptor, payload: bytes) -> grpc.StatusCode:
-    path = f"/{method.containing_service.full_name}/{method.name}"
-    timeout = 0.3 if method.full_name in ENDLESS else CALL_TIMEOUT
+class WorkerTarget(Target):
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+
+@pytest.fixture(scope="module")
+def token_worker(tiny_model_dir: Path) -> Iterator[WorkerTarget]:
+    """A worker of its own with the token (in its environment, as `up` gives it), driven by
+    no scheduler: the fuzzer's Execute calls are the only ones."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LLMSERVE_WORKER_TOKEN", TOKEN)
+        worker = start_worker(tiny_model_dir, "--num-gpu-blocks", "64")
+    target = WorkerTarget(worker.address)
     try:
-        if method.server_streaming:
-            for _ in s.channel.unary_stream(path)(payload, timeout=timeout):
+        grpc.channel_ready_future(target.channel).result(timeout=120)
+        _still_serving(target)
+        yield target
+    finally:
+        target.channel.close()
+        worker.stop()
+
+
+def _call(
+    s: Target, method: MethodDescriptor, payload: bytes, metadata: Any = (), timeout: float | None = None
+) -> grpc.StatusCode:
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    if timeout is None:
+        timeout = 0.3 if method.full_name in ENDLESS else CALL_TIMEOUT
+    try:
+        if method.client_streaming:  # the worker's step stream: one plan, then the end of the stream
+            for _ in s.channel.stream_stream(path)(iter([payload]), timeout=timeout, metadata=metadata):
+                pass
+        elif method.server_streaming:
+            for _ in s.channel.unary_stream(path)(payload, timeout=timeout, metadata=metadata):
                 pass
         else:
-            s.channel.unary_unary(path)(payload, timeout=timeout)
+            s.channel.unary_unary(path)(payload, timeout=timeout, metadata=metadata)
     except grpc.RpcError as error:
         return error.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
 
 
-def _still_serving(s: ThreadedScheduler) -> None:
+def _still_serving(s: Target) -> None:
     status = s.health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
 
@@ -186,3 +248,45 @@ def test_valid_prompts_with_random_parameters_get_documented_statuses(
 
     check()
     server.run(server.scheduler.wait_idle(timeout=30))
+
+
+WORKER_PLANE: list[MethodDescriptor] = [
+    *registry_pb2.DESCRIPTOR.services_by_name["Registry"].methods,
+    *worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods,
+]
+# No credentials, a wrong token, another scheme, a token as bare metadata.
+NOT_THE_TOKEN = st.sampled_from(
+    [(), bearer_metadata("not-the-token"), (("authorization", f"Basic {TOKEN}"),), (("authorization", TOKEN),)]
+)
+
+
+@pytest.mark.parametrize("method", WORKER_PLANE, ids=lambda m: f"{m.containing_service.name}.{m.name}")
+def test_the_worker_plane_answers_only_unauthenticated_without_the_token(
+    server: ThreadedScheduler, token_worker: WorkerTarget, method: MethodDescriptor
+) -> None:
+    target: Target = server if method.containing_service.name == "Registry" else token_worker
+    payloads = st.one_of(messages(method.input_type).map(lambda m: m.SerializeToString()), st.binary(max_size=64))
+
+    @FUZZ
+    @given(payload=payloads, metadata=NOT_THE_TOKEN)
+    def check(payload: bytes, metadata: Any) -> None:
+        code = _call(target, method, payload, metadata)
+        assert code == grpc.StatusCode.UNAUTHENTICATED, f"{code.name} for {payload!r}"
+        _still_serving(target)
+
+    check()
+    assert not server.scheduler.server.registry.num_pending  # nothing joined
+
+
+def test_random_plans_with_the_token_are_refused_or_run(token_worker: WorkerTarget) -> None:
+    execute = worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name["Execute"]
+
+    @FUZZ
+    @given(plan=messages(worker_pb2.StepPlan.DESCRIPTOR))
+    def check(plan: Any) -> None:
+        # A step may run a forward pass: more time than the other calls get.
+        code = _call(token_worker, execute, plan.SerializeToString(), bearer_metadata(TOKEN), timeout=60)
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), f"{code.name} for {plan}"
+        _still_serving(token_worker)
+
+    check()

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from common import worker_wire
 from common.plan import StepPlan, StepResult
+from common.worker_info import WorkerInfo
 from tests.plans import Feed, make_plan
 from worker_svc.device.parallel import ParallelGroup, init_group
 from worker_svc.layers.rotary import RotaryEmbedding
@@ -136,6 +137,10 @@ class FakeRunner:
         self.config = SimpleNamespace(profile_steps=False)
         self.refuse, self.fail = refuse, fail
         self.launched_on: list[tuple[str, int]] = []  # (thread name, current device) per forward
+
+    def info(self, model_name: str) -> WorkerInfo:
+        # What the handshake reports, and what bounds the plans the servicer decodes.
+        return WorkerInfo(model_name, 49152, 4096, "float32", str(self.device), 0, self.group.world_size, 16, 64, 0)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.refuse:

@@ -49,7 +49,7 @@ from scheduler_svc.workers.worker_client import StepTiming, WorkerLost
 from tests.test_engine import spec, tokenizer  # noqa: F401 (fixtures)
 from tests.test_scheduler_memory import VOCAB, FakeRows, _mix
 
-BLOCK_SIZE = 4
+BLOCK_SIZE = 8  # the smallest a worker may report (common/worker_info.py BLOCK_SIZES)
 SEEDS = range(60)
 
 
@@ -365,7 +365,7 @@ async def fuzz_once(seed: int, spec: ModelSpec, tokenizer: Tokenizer, events: Ev
         enable_prefix_caching=rng.random() < 0.7,
         max_queue_len=1000,
     )
-    pools = {f"g{i}": (rng.randint(12, 32), rng.choice([0, 8, 24, 64])) for i in range(num_groups)}
+    pools = {f"g{i}": (rng.randint(6, 16), rng.choice([0, 4, 12, 32])) for i in range(num_groups)}
     workers: dict[str, FuzzWorker] = {}
     run: Run
     if registered:

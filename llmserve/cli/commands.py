@@ -52,6 +52,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
     from scheduler_svc.api.server import SchedulerServer
 
     server_config, worker_tls = configs.server_config(a), configs.client_tls_config(a, "worker")
+    registry_config = configs.registry_config(a)
     model = configs.model_dir(a.model)
 
     async def body(stop: asyncio.Event) -> None:
@@ -64,6 +65,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
             step_timeout=a.step_timeout,
             worker_tls=worker_tls,
             health_interval=a.worker_health_interval,
+            registry_config=registry_config,
         )
         await serve(server, stop)
 
@@ -92,6 +94,7 @@ def cmd_gateway(a: argparse.Namespace) -> None:
 def cmd_generate(a: argparse.Namespace) -> None:
     import grpc
 
+    from common.grpc.auth import bearer_metadata
     from common.pb.llmserve.v1 import generation_pb2 as pb
     from common.pb.llmserve.v1 import generation_pb2_grpc
 
@@ -114,7 +117,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         stub = generation_pb2_grpc.GenerationStub(channel)
         last = None
         try:
-            for last in stub.Generate(request):
+            for last in stub.Generate(request, metadata=bearer_metadata(a.api_key)):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
         except grpc.RpcError as error:

@@ -4,16 +4,22 @@
 A worker keeps every forward pass on its main thread and runs its gRPC event loop beside it
 (worker_svc/service/main_thread.py's `run_beside`); with `--tp N` and no --rank, this process
 only starts and supervises the N rank processes.
+
+The worker token (--worker-token-file, or LLMSERVE_WORKER_TOKEN, which is how `up`, the
+offline LLM and `worker --tp N` hand it to the processes they start: never on a command line,
+which any user of the host can read) guards Describe and Execute and is shown on Register.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from common.config import AuthConfig
 from llmserve.cli import configs
 from llmserve.cli.commands import serve
 from llmserve.supervisor import exit_with_parent
@@ -89,7 +95,9 @@ def _run_rank_launcher(a: argparse.Namespace, model: str) -> None:
     if a.scheduler:
         # Every rank registers itself; the group is named after rank 0's address.
         cmd += ["--scheduler", a.scheduler, "--group", a.advertise or a.listen]
-    group = RankLauncher(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise)
+    token = configs.worker_token(a)
+    env = {**os.environ, configs.WORKER_TOKEN_ENV: token} if token is not None else None
+    group = RankLauncher(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise, env=env)
     stopping = {"now": False}
 
     def request_stop(*_: object) -> None:
@@ -113,6 +121,7 @@ def cmd_worker(a: argparse.Namespace) -> None:
 
     tls = configs.tls_config(a)
     model = configs.model_dir(a.model)
+    token = configs.worker_token(a)
     # The model loads on this thread and every step runs on it (worker_svc/service/main_thread.py).
     steps = MainThreadExecutor()
     server = WorkerServer(
@@ -121,14 +130,15 @@ def cmd_worker(a: argparse.Namespace) -> None:
         tls=tls,
         reflection=not a.no_reflection,
         metrics_port=a.metrics_port,
-        registrar=_registrar(a, model),
+        registrar=_registrar(a, model, token),
         executor=steps,
+        auth=AuthConfig(worker_token=token),
     )
     run_beside(steps, lambda stop: serve(server, stop))
     sys.exit(server.exit_code)
 
 
-def _registrar(a: argparse.Namespace, model: str) -> Any:
+def _registrar(a: argparse.Namespace, model: str, token: str | None) -> Any:
     """With --scheduler: how this rank registers (its advertised address, group and rank)."""
     if not a.scheduler:
         return None
@@ -147,4 +157,5 @@ def _registrar(a: argparse.Namespace, model: str) -> Any:
         model_name=Path(model).name,
         block_size=a.block_size,
         tls=configs.client_tls_config(a, "scheduler"),
+        token=token,
     )

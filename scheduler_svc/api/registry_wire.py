@@ -1,5 +1,6 @@
 """The Registry protocol's protobuf edge (`llmserve.v1.Registry`, what worker ranks join
-through): kept apart from the Generation API's edge, which clients call, not workers."""
+through): kept apart from the Generation API's edge, which clients call, not workers. Field
+bounds are the registry's (scheduler_svc/workers/worker_registry.py); this only maps fields."""
 
 from __future__ import annotations
 

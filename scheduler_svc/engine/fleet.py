@@ -5,9 +5,18 @@ scheduler and block manager, and a task running its `StepLoop` (`step_loop.py`),
 code touching them.
 
 A group is lost when its stream breaks, it misses the step deadline, it fails its health
-checks, or it deregisters. Its requests then move with their tokens to the other groups'
-queues and are computed again there; with no other group they fail. Groups come from
---worker (redialled when lost) or from registration (`attach_group` / `detach_group`).
+checks, it deregisters, or it sends a result its plan could not have produced (the link
+checks every result: common/worker_wire.py `check_result`). Its requests then move with their
+tokens to the other groups' queues and are computed again there; with no other group they
+fail. Groups come from --worker (redialled when lost) or from registration (`attach_group` /
+`detach_group`).
+
+What a group reports at the handshake is checked before anything is sized by it: numbers in
+bounds (common/worker_info.py), the model's vocabulary, the scheduler's block size, and, for
+a registered group, a context no shorter than the one the serving groups already allow
+requests (a group that joins may not lower every other group's limit). A registered group
+that fails is refused through its registration, which ends its ranks' Register calls with
+the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import structlog
 from common.config import SchedulerConfig
 from common.errors import Aborted, Unavailable
 from common.model_spec import ModelSpec
-from common.worker_info import WorkerInfo
+from common.worker_info import WorkerInfo, out_of_bounds
 from scheduler_svc.engine.live_streams import LiveStreams
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.replica import Replica
@@ -33,7 +42,7 @@ from scheduler_svc.engine.step_reporter import StepReporter
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from scheduler_svc.workers.worker_client import WorkerLink, WorkerLost
+from scheduler_svc.workers.worker_client import WorkerLink, WorkerLost, WorkerRefused
 
 log = structlog.get_logger(__name__)
 
@@ -115,16 +124,23 @@ class Fleet:
             await replica.worker.close()
         self._replicas.clear()
 
-    def attach_group(self, name: str, addresses: list[str]) -> None:
-        """A registered group has all its ranks: connect to it and serve with it."""
-        if self._worker_factory is None or self._static or self._stopping:
+    def attach_group(self, name: str, addresses: list[str], refuse: Callable[[str], None] | None = None) -> None:
+        """A registered group has all its ranks: connect to it and serve with it. `refuse(reason)`
+        ends its registration, when its handshake rules it out."""
+        if self._stopping:
+            return
+        if self._worker_factory is None or self._static:
+            if refuse is not None:
+                refuse("this scheduler serves only its --worker addresses")
             return
         current = self._replicas.get(name)
         # A group that deregistered may still be tearing down under this name: the new
         # registration replaces it (its teardown leaves a newer replica of the name alone).
         if current is not None and current.attached:
+            if refuse is not None:
+                refuse(f"a worker group named {name!r} is serving")
             return
-        self._add_replica(name, self._worker_factory(addresses))
+        self._add_replica(name, self._worker_factory(addresses), refuse)
 
     def detach_group(self, name: str) -> None:
         """A rank of a registered group left: the group is gone (its KV spans every rank)."""
@@ -137,17 +153,17 @@ class Fleet:
         asyncio.get_running_loop().create_task(replica.worker.close())
         replica.wake.set()
 
-    def _add_replica(self, name: str, worker: WorkerLink) -> None:
+    def _add_replica(self, name: str, worker: WorkerLink, refuse: Callable[[str], None] | None = None) -> None:
         replica = Replica(name, worker)
         self._replicas[name] = replica
-        replica.task = asyncio.create_task(self._run(replica), name=f"engine:{name}")
+        replica.task = asyncio.create_task(self._run(replica, refuse), name=f"engine:{name}")
 
-    async def _run(self, replica: Replica) -> None:
+    async def _run(self, replica: Replica, refuse: Callable[[str], None] | None) -> None:
         """Connect to the group and serve with it until it is lost; a --worker one is retried."""
         try:
             while replica.attached:
                 try:
-                    await self._serve(replica)
+                    await self._serve(replica, refuse)
                 except Exception:  # noqa: BLE001
                     # A bug (or a malformed worker) must neither end this task silently nor leave
                     # requests waiting on a dead loop: fail the group's requests (its state is
@@ -170,25 +186,22 @@ class Fleet:
             await replica.worker.close()
             await self._refresh_ready()
 
-    async def _serve(self, replica: Replica) -> None:
+    async def _serve(self, replica: Replica, refuse: Callable[[str], None] | None) -> None:
         worker = replica.worker
         try:
             info = await worker.connect(self._connect_timeout)
+        except WorkerRefused as error:
+            await self._refuse(replica, str(error), refuse)
+            return
         except WorkerLost as error:
             # Each attempt waits connect_timeout for the channel; then say so and try again.
             log.warning(
                 "worker_unreachable", group=replica.name, address=worker.address, reason=str(error), retrying=True
             )
             return
-        problem = self._incompatibility(info)
+        problem = self._incompatibility(replica, info)
         if problem:
-            log.error("worker_refused", group=replica.name, address=worker.address, reason=problem)
-            await worker.close()
-            # A registered group that cannot serve this model is dropped; a --worker is retried.
-            if not self._static:
-                replica.attached = False
-            else:
-                await asyncio.sleep(4.0)
+            await self._refuse(replica, problem, refuse)
             return
         replica.info = info
         replica.reported = (0, 0, 0, 0, 0)
@@ -224,6 +237,18 @@ class Fleet:
         except WorkerLost as error:
             log.error("worker_lost", group=replica.name, address=worker.address, reason=str(error))
             self._recover(replica)
+
+    async def _refuse(self, replica: Replica, problem: str, refuse: Callable[[str], None] | None) -> None:
+        log.error("worker_refused", group=replica.name, address=replica.worker.address, reason=problem)
+        await replica.worker.close()
+        # A registered group that cannot serve this model is dropped, its registration ended
+        # with the reason; a --worker is retried.
+        if not self._static:
+            replica.attached = False
+            if refuse is not None:
+                refuse(problem)
+        else:
+            await asyncio.sleep(4.0)
 
     def _recover(self, lost: Replica) -> None:
         """Move the lost group's requests, with their tokens, to the other groups' queues.
@@ -293,13 +318,30 @@ class Fleet:
                 self._ready_reported = serving
                 await self._on_ready(serving)
 
-    def _incompatibility(self, info: WorkerInfo) -> str | None:
+    def _incompatibility(self, replica: Replica, info: WorkerInfo) -> str | None:
+        """Why the group `replica` cannot serve with what it reported, or None."""
+        problem = out_of_bounds(info)
+        if problem:
+            return problem
         if info.model_name != self.spec.name:
             return f"worker serves model {info.model_name!r}, this scheduler serves {self.spec.name!r}"
         if info.vocab_size != self.spec.vocab_size:
             return f"worker vocabulary has {info.vocab_size} tokens, the model's config says {self.spec.vocab_size}"
-        if info.num_gpu_blocks <= 0:
-            return "worker reports no KV blocks"
+        addresses = len(replica.worker.address.split(","))
+        if info.world_size != addresses:
+            return f"worker is one of a group of {info.world_size} ranks, {addresses} addresses were given"
+        # Above the model's own limit is clamped (the scheduler never plans past it). Requests
+        # are bounded by the shortest context serving: a registered group below the one the
+        # serving groups set would shrink every request's room, so it is refused. The --worker
+        # list is the operator's, whose groups' contexts may differ (the shortest sets the limit).
+        context = min(self.spec.max_model_len, info.max_model_len)
+        others = [r.serving_scheduler.max_model_len for r in self.serving if r is not replica]
+        established = min(others, default=context)
+        if not self._static and context < established:
+            return (
+                f"worker allows sequences of {context} tokens, the serving groups {established}: "
+                "a group may not lower the limit requests already have"
+            )
         if self.block_size and info.block_size != self.block_size:
             return f"worker uses KV blocks of {info.block_size} tokens, this scheduler {self.block_size}; start it with --block-size {self.block_size}"
         if self.config.enable_lora and not info.max_loras:

@@ -28,7 +28,7 @@ from common import worker_wire
 from common.config import TlsClientConfig
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from scheduler_svc.workers.worker_client import StepTiming, WorkerClient, WorkerLost
+from scheduler_svc.workers.worker_client import StepTiming, WorkerClient, WorkerLost, WorkerRefused
 
 T = TypeVar("T")
 
@@ -40,11 +40,12 @@ class RankLinks:
         step_timeout: float = 600.0,
         tls: TlsClientConfig | None = None,
         health_interval: float = 5.0,
+        token: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("a worker group needs at least one rank address")
         # Each rank watches its own health; one that fails ends the group's step like a crash.
-        self.ranks = [WorkerClient(a, step_timeout, tls, health_interval) for a in addresses]
+        self.ranks = [WorkerClient(a, step_timeout, tls, health_interval, token) for a in addresses]
         self.address = ",".join(addresses)
 
     async def connect(self, timeout: float) -> WorkerInfo:
@@ -53,13 +54,15 @@ class RankLinks:
         failed = [(i, e) for i, e in enumerate(results) if isinstance(e, BaseException)]
         if failed:
             await self.close()
-            i, error = failed[0]
-            raise WorkerLost(f"rank {i} ({self.ranks[i].address}): {error}")
+            # A rank that reported the impossible rules the group out; else the first failure.
+            i, error = next(((i, e) for i, e in failed if isinstance(e, WorkerRefused)), failed[0])
+            lost = WorkerRefused if isinstance(error, WorkerRefused) else WorkerLost
+            raise lost(f"rank {i} ({self.ranks[i].address}): {error}")
         infos = [r for r in results if isinstance(r, WorkerInfo)]
         problem = _mismatch(infos)
         if problem:
             await self.close()
-            raise WorkerLost(f"worker group {self.address}: {problem}")
+            raise WorkerRefused(f"worker group {self.address}: {problem}")
         return dataclasses.replace(
             infos[0],
             num_gpu_blocks=min(i.num_gpu_blocks for i in infos),
@@ -120,7 +123,8 @@ class RankLinks:
 
 
 def _mismatch(infos: list[WorkerInfo]) -> str | None:
-    """Why these ranks are not one group, or None."""
+    """Why these ranks are not one group, or None. Each rank's numbers were bounded when it
+    answered (WorkerClient.connect), so the group's minimum capacity is a sane one."""
     n = len(infos)
     for i, info in enumerate(infos):
         if info.world_size != n:

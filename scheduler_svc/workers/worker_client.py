@@ -13,10 +13,11 @@ from grpc_health.v1 import health_pb2_grpc
 
 from common import worker_wire
 from common.config import TlsClientConfig
+from common.grpc.auth import bearer_metadata
 from common.grpc.tls import open_channel
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from common.plan import StepPlan, StepResult
-from common.worker_info import WorkerInfo
+from common.worker_info import WorkerInfo, out_of_bounds
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +50,13 @@ class PipelinedLink(WorkerLink, Protocol):
 
 
 class WorkerLost(Exception):
-    """The worker's stream broke, closed, or missed the step deadline."""
+    """The worker's stream broke, closed, missed the step deadline, or sent what its plan could
+    not have produced."""
+
+
+class WorkerRefused(WorkerLost):
+    """The worker answered the handshake, and what it reported rules it out for good (a group
+    whose ranks disagree, numbers out of bounds): retrying would get the same answer."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,12 @@ class WorkerClient:
         step_timeout: float = 600.0,
         tls: TlsClientConfig | None = None,
         health_interval: float = 5.0,
+        token: str | None = None,
     ) -> None:
         self.address = address
         self.step_timeout = step_timeout
+        # The worker token, presented on Describe and Execute (health checks stay open).
+        self._metadata = bearer_metadata(token)
         # While connected, the worker's gRPC health is checked this often (0 = never): a frozen
         # or wedged worker is then given up within a few intervals, not after the step timeout.
         self.health_interval = health_interval
@@ -83,6 +93,9 @@ class WorkerClient:
         # Plans written and not yet answered: (encoded bytes, encode seconds, when written).
         self._sent: dict[int, tuple[int, float, float]] = {}
         self._last_received = 0.0
+        # Results are checked against the vocabulary the worker reported (the fleet refuses a
+        # worker whose vocabulary is not the model's).
+        self._vocab_size = 0
 
     async def connect(self, timeout: float) -> WorkerInfo:
         """Wait up to `timeout` seconds for the worker, describe it, and open the step stream."""
@@ -90,16 +103,24 @@ class WorkerClient:
         self._channel = open_channel(self.address, self.tls, CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
-            info = await stub.Describe(worker_wire.describe_request(), wait_for_ready=True, timeout=timeout)
+            info = await stub.Describe(
+                worker_wire.describe_request(), wait_for_ready=True, timeout=timeout, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as error:
             await self.close()
             raise WorkerLost(f"worker {self.address} did not answer: {error.code().name} {error.details()}") from error
-        self._call = stub.Execute()
+        described = worker_wire.decode_worker_info(info)
+        problem = out_of_bounds(described)
+        if problem:  # before the step stream opens: nothing goes to such a worker
+            await self.close()
+            raise WorkerRefused(f"worker {self.address}: {problem}")
+        self._vocab_size = described.vocab_size
+        self._call = stub.Execute(metadata=self._metadata)
         self._sent.clear()
         self._lost_reason = ""
         if self.health_interval > 0:
             self._watcher = asyncio.create_task(self._watch(self._channel), name=f"health:{self.address}")
-        return worker_wire.decode_worker_info(info)
+        return described
 
     async def _watch(self, channel: grpc.aio.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -157,6 +178,7 @@ class WorkerClient:
         received = time.perf_counter()
         try:
             result = worker_wire.decode_result(reply, plan.num_seqs)
+            worker_wire.check_result(plan, result, self._vocab_size)
         except ValueError as error:
             raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:

@@ -1,4 +1,9 @@
-"""The worker service process: load the model, allocate the KV cache, then serve steps."""
+"""The worker service process: load the model, allocate the KV cache, then serve steps.
+
+Describe and Execute are the worker plane (common/grpc/auth.py): with a worker token
+configured, only a caller that shows it (the scheduler) gets the handshake or a step stream,
+so nobody else can read prompts off the cache or feed plans; health and reflection stay open.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import TlsConfig, WorkerConfig
+from common.config import AuthConfig, TlsConfig, WorkerConfig
+from common.grpc.auth import AuthInterceptor, Role, is_loopback
+from common.grpc.error_interceptor import ErrorInterceptor
 from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.grpc.tls import tls_mode
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
@@ -30,11 +37,29 @@ from worker_svc.step.runner import ModelRunner
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-OPTIONS = [
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    EXCLUSIVE,
-]
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+MIB = 1 << 20
+
+
+def role_of(method: str) -> Role:
+    """Health and reflection are open (probes, grpcurl); the Worker service, and anything else
+    the port might serve, is the worker plane."""
+    return Role.OPEN if method.startswith(_OPEN_PREFIXES) else Role.WORKER
+
+
+def max_plan_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
+    """The largest step plan a scheduler sends this worker, with room to spare: its receive limit.
+
+    Per sequence: the token history of a penalized one (4 bytes a token of its context, the
+    plan's largest array by far), its block table row, a structured output's mask row, and
+    the fixed per-sequence arrays, logit bias and stop-token bans (64 KiB covers 8k entries).
+    Times the sequences of a step: --max-num-seqs, which `up` and the offline LLM give the
+    scheduler and its workers alike, and at least the default 256, for a scheduler started on
+    its own. Plus 16 MiB for the fed tokens and the block operations. SmolLM2 (8k context,
+    49k vocabulary) at 256 sequences: 42 MiB, where 256 MiB was allowed before.
+    """
+    per_seq = 4 * max_model_len + 4 * -(-max_model_len // block_size) + 4 * -(-vocab_size // 32) + 64 * 1024
+    return 16 * MIB + max(max_num_seqs, 256) * per_seq
 
 
 class WorkerServer:
@@ -48,8 +73,11 @@ class WorkerServer:
         metrics_port: int = 0,
         registrar: Registrar | None = None,
         executor: Executor | None = None,
+        auth: AuthConfig | None = None,
     ) -> None:
         self.address = address
+        # Only the worker token matters here (Role.WORKER); a worker has no client keys.
+        self.auth = auth or AuthConfig()
         self.grace_seconds = grace_seconds
         self.tls = tls
         self.reflection = reflection
@@ -69,12 +97,26 @@ class WorkerServer:
         self.metrics.cpu_blocks.set(self.runner.kv.num_cpu_blocks)
         # Steps run on `executor` (the process's main thread, see worker_svc/service/main_thread.py).
         self.servicer = WorkerServicer(self.runner, Path(config.model).name, self.metrics, executor)
+        runner = self.runner
+        self.max_receive_bytes = max_plan_bytes(
+            config.max_num_seqs, runner.max_model_len, runner.block_size, runner.shape.vocab_size
+        )
         self.port = 0
 
     async def start(self) -> int:
         # gRPC aio objects belong to the running event loop, so they are made here.
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=OPTIONS, interceptors=[self.metrics.grpc])
+        # Metrics outermost (a refused credential counts under the code its caller saw), then the
+        # token, checked before anything is decoded; requests that do not parse are then refused
+        # with INVALID_ARGUMENT rather than gRPC's UNKNOWN.
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", 256 * MIB),
+                ("grpc.max_receive_message_length", self.max_receive_bytes),
+                EXCLUSIVE,
+            ],
+            interceptors=[self.metrics.grpc, AuthInterceptor(self.auth, role_of), ErrorInterceptor()],
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.reflection:
@@ -99,7 +141,16 @@ class WorkerServer:
             port=self.port,
             tls=tls_mode(self.tls),
             reflection=self.reflection,
+            worker_token=self.auth.worker_token is not None,
+            max_receive_mib=round(self.max_receive_bytes / MIB, 1),
         )
+        if self.auth.worker_token is None and not is_loopback(host):
+            log.warning(
+                "workers_unauthenticated",
+                address=self.address,
+                detail="no worker token: anyone who reaches this address can drive this worker and read the prompts "
+                "it computes; give the scheduler's token (--worker-token-file or LLMSERVE_WORKER_TOKEN)",
+            )
         return self.port
 
     async def _stay_registered(self, registrar: Registrar) -> None:

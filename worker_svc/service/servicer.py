@@ -1,8 +1,18 @@
-"""`llmserve.v1.Worker`: the handshake and the step stream, over one ModelRunner."""
+"""`llmserve.v1.Worker`: the handshake and the step stream, over one ModelRunner.
+
+One scheduler drives a worker at a time: a second Execute caller waits STREAM_TAKEOVER_S for
+the stream in progress to end (a reconnecting scheduler's old one may still be closing), and
+is refused with FAILED_PRECONDITION if it does not; the stream in progress goes on. Plans are
+bounded before anything is built from them (common/worker_wire.py `decode_plan`, the runner's
+checks): a plan that fails ends the stream with INVALID_ARGUMENT. At most MAX_PLANS_AHEAD wait
+behind the running step: the scheduler sends one ahead, and a caller that sends more is
+refused the same way, rather than queueing plans without bound.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +26,7 @@ from common import worker_wire
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
 from common.plan import StepPlan, StepResult
+from common.worker_info import MAX_KV_BLOCKS
 from worker_svc.device.parallel import bind_device
 from worker_svc.service.metrics import WorkerMetrics
 from worker_svc.step.runner import ModelRunner, PlanError
@@ -23,6 +34,9 @@ from worker_svc.step.runner import ModelRunner, PlanError
 log = structlog.get_logger(__name__)
 
 STREAM_TAKEOVER_S = 10.0
+# Plans decoded and waiting for their step (the scheduler keeps two in flight: one running,
+# one waiting, and briefly a third as the first result goes out).
+MAX_PLANS_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -34,17 +48,29 @@ class _Received:
 
 
 async def _read_plans(
-    request_iterator: AsyncIterator[worker_pb.StepPlan], out: asyncio.Queue[_Received | None]
+    request_iterator: AsyncIterator[worker_pb.StepPlan],
+    out: asyncio.Queue[_Received | None],
+    max_seqs: int,
+    vocab_size: int,
 ) -> None:
-    """Decode every plan of the stream into `out` as it arrives; None when the stream ends."""
+    """Decode every plan of the stream into `out` as it arrives; None when the stream ends.
+    A plan that does not decode, or one past MAX_PLANS_AHEAD, is queued as its error and
+    ends the reading: `out` never holds more than MAX_PLANS_AHEAD + 2 entries."""
     try:
         async for msg in request_iterator:
             start = time.perf_counter()
+            if out.qsize() >= MAX_PLANS_AHEAD:
+                ahead = PlanError(f"more than {MAX_PLANS_AHEAD} plans sent ahead of their results")
+                out.put_nowait(_Received(msg, None, ahead, 0.0))
+                return
+            error: PlanError | None
             try:
-                plan, error = worker_wire.decode_plan(msg), None
+                plan, error = worker_wire.decode_plan(msg, max_seqs, vocab_size), None
             except ValueError as bad:  # a malformed plan is refused like one that fails the checks
                 plan, error = None, PlanError(str(bad))
             out.put_nowait(_Received(msg, plan, error, time.perf_counter() - start))
+            if error is not None:
+                return
     finally:
         out.put_nowait(None)
 
@@ -69,11 +95,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_workers=1, thread_name_prefix="forward", initializer=bind_device, initargs=(runner.device,)
         )
         self._stream_lock = asyncio.Lock()
+        # The handshake reports at most the KV blocks a scheduler accepts (a tiny model on a big
+        # device may fit more): the scheduler then uses the first MAX_KV_BLOCKS of the cache.
+        info = runner.info(model_name)
+        self._info = dataclasses.replace(
+            info,
+            num_gpu_blocks=min(info.num_gpu_blocks, MAX_KV_BLOCKS),
+            num_cpu_blocks=min(info.num_cpu_blocks, MAX_KV_BLOCKS),
+        )
+        # What a plan may size (decode_plan): the KV blocks and vocabulary the handshake reports.
+        self._bounds = (self._info.num_gpu_blocks, info.vocab_size)
 
     async def Describe(  # noqa: N802 (gRPC method name)
         self, request: worker_pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb.WorkerInfo:
-        return worker_wire.encode_worker_info(self._runner.info(self._model_name))
+        return worker_wire.encode_worker_info(self._info)
 
     async def Execute(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[worker_pb.StepPlan], context: grpc.aio.ServicerContext
@@ -94,7 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Plans are read and decoded as they arrive. One the scheduler sent ahead starts the
         # moment the step before it ends, before that step's result is even sent.
         plans: asyncio.Queue[_Received | None] = asyncio.Queue()
-        reader = asyncio.create_task(_read_plans(request_iterator, plans), name="read-plans")
+        reader = asyncio.create_task(_read_plans(request_iterator, plans, *self._bounds), name="read-plans")
 
         def start(received: _Received | None) -> tuple[_Received, asyncio.Future[StepResult]] | None:
             if received is None:

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class RegistryStub:
-    """Registry tracks the worker ranks that serve this scheduler.
+    """Registry tracks the worker ranks that serve this scheduler. Callers show the worker token
+    (`authorization: Bearer TOKEN` metadata) when the scheduler has one: UNAUTHENTICATED otherwise.
     """
 
     def __init__(self, channel):
@@ -43,14 +44,19 @@ class RegistryStub:
 
 
 class RegistryServicer:
-    """Registry tracks the worker ranks that serve this scheduler.
+    """Registry tracks the worker ranks that serve this scheduler. Callers show the worker token
+    (`authorization: Bearer TOKEN` metadata) when the scheduler has one: UNAUTHENTICATED otherwise.
     """
 
     def Register(self, request, context):
         """A rank announces itself and keeps the call open for as long as it serves: the scheduler
         answers once (accepted or refused, with the reason) and ends the call only when it
         refuses or shuts down. The call ending from the worker's side, or its connection breaking,
-        is the rank's departure.
+        is the rank's departure. Refused by status, before anything is dialed: FAILED_PRECONDITION
+        when registration is off, PERMISSION_DENIED for an address off the allow-list,
+        INVALID_ARGUMENT for fields out of bounds, RESOURCE_EXHAUSTED with too many ranks waiting
+        for their groups. Later in the call: a second reply, accepted false, when the group's
+        handshake rules it out; UNAVAILABLE when the group did not complete in time (register again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,7 +79,8 @@ def add_RegistryServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Registry:
-    """Registry tracks the worker ranks that serve this scheduler.
+    """Registry tracks the worker ranks that serve this scheduler. Callers show the worker token
+    (`authorization: Bearer TOKEN` metadata) when the scheduler has one: UNAUTHENTICATED otherwise.
     """
 
     @staticmethod

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Worker runs model steps planned by the scheduler.
+    """Worker runs model steps planned by the scheduler. With a worker token configured, Describe
+    and Execute need it (`authorization: Bearer TOKEN` metadata; UNAUTHENTICATED otherwise);
+    health and reflection stay open.
     """
 
     def __init__(self, channel):
@@ -48,7 +50,9 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Worker runs model steps planned by the scheduler.
+    """Worker runs model steps planned by the scheduler. With a worker token configured, Describe
+    and Execute need it (`authorization: Bearer TOKEN` metadata; UNAUTHENTICATED otherwise);
+    health and reflection stay open.
     """
 
     def Describe(self, request, context):
@@ -60,6 +64,9 @@ class WorkerServicer:
 
     def Execute(self, request_iterator, context):
         """One long-lived stream per scheduler connection: a StepPlan in, its StepResult out, in order.
+        One stream at a time: a second caller waits a few seconds for the first to end, then gets
+        FAILED_PRECONDITION. A plan out of bounds, or one sent more than a few ahead of its
+        results, ends the stream with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +94,9 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Worker runs model steps planned by the scheduler.
+    """Worker runs model steps planned by the scheduler. With a worker token configured, Describe
+    and Execute need it (`authorization: Bearer TOKEN` metadata; UNAUTHENTICATED otherwise);
+    health and reflection stay open.
     """
 
     @staticmethod
