@@ -27,6 +27,15 @@ class AlreadyExists(LlmserveError):
     """A name (a LoRA adapter's) that is taken."""
 
 
+class PermissionDenied(LlmserveError):
+    """An authenticated caller asked for what its key does not allow (a priority below 0
+    without an admin key)."""
+
+
+class FailedPrecondition(LlmserveError):
+    """Refused for every caller by how this server was started (runtime adapter loading off)."""
+
+
 class ResourceExhausted(LlmserveError):
     """Queue full, or a request that can never fit the KV cache."""
 

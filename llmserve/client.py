@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import grpc
 
+from common.grpc.auth import bearer_metadata
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
 
@@ -113,7 +114,8 @@ def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | Non
 
 class LlmserveClient:
     """Blocking client over one channel: plaintext, or TLS with `secure` credentials
-    (e.g. `grpc.ssl_channel_credentials(root_certificates=...)`). Thread-safe, like the channel."""
+    (e.g. `grpc.ssl_channel_credentials(root_certificates=...)`); `api_key` for a server that
+    asks for one. Thread-safe, like the channel."""
 
     def __init__(
         self,
@@ -121,7 +123,10 @@ class LlmserveClient:
         *,
         secure: grpc.ChannelCredentials | None = None,
         options: ChannelOptions = (),
+        api_key: str | None = None,
     ) -> None:
+        # Sent with every call: a server started with --api-key refuses calls without it.
+        self._metadata = bearer_metadata(api_key)
         self._channel = (
             grpc.insecure_channel(address, options=options)
             if secure is None
@@ -133,7 +138,7 @@ class LlmserveClient:
         self, request: pb.GenerateRequest, *, timeout: float | None = None
     ) -> Generator[pb.GenerateResponse, None, None]:
         """Streams the responses to any `GenerateRequest`; closing the generator cancels the call."""
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             yield from call
         finally:
@@ -151,7 +156,9 @@ class LlmserveClient:
 
     def abort(self, request_ids: Iterable[str], *, timeout: float | None = None) -> list[str]:
         """Aborts in-flight requests; returns the ids that were in flight (unknown ones are ignored)."""
-        response = self._stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout)
+        response = self._stub.Abort(
+            pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout, metadata=self._metadata
+        )
         return list(response.aborted)
 
     def tokenize(
@@ -163,22 +170,24 @@ class LlmserveClient:
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
         response: pb.TokenizeResponse = self._stub.Tokenize(
-            tokenize_request(text, messages, add_special_tokens), timeout=timeout
+            tokenize_request(text, messages, add_special_tokens), timeout=timeout, metadata=self._metadata
         )
         return response
 
     def detokenize(
         self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
     ) -> str:
-        response = self._stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
+        response = self._stub.Detokenize(
+            detokenize_request(token_ids, skip_special_tokens), timeout=timeout, metadata=self._metadata
+        )
         return str(response.text)
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
-        info: pb.ModelInfo = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        info: pb.ModelInfo = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         return info
 
     def load(self, *, timeout: float | None = None) -> pb.Load:
-        load: pb.Load = self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
+        load: pb.Load = self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout, metadata=self._metadata)
         return load
 
     def close(self) -> None:
@@ -200,7 +209,10 @@ class AsyncLlmserveClient:
         *,
         secure: grpc.ChannelCredentials | None = None,
         options: ChannelOptions = (),
+        api_key: str | None = None,
     ) -> None:
+        # Sent with every call: a server started with --api-key refuses calls without it.
+        self._metadata = bearer_metadata(api_key)
         self._channel = (
             grpc.aio.insecure_channel(address, options=options)
             if secure is None
@@ -212,7 +224,7 @@ class AsyncLlmserveClient:
         self, request: pb.GenerateRequest, *, timeout: float | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Streams the responses to any `GenerateRequest`; closing the generator cancels the call."""
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
                 yield message
@@ -233,7 +245,9 @@ class AsyncLlmserveClient:
 
     async def abort(self, request_ids: Iterable[str], *, timeout: float | None = None) -> list[str]:
         """Aborts in-flight requests; returns the ids that were in flight (unknown ones are ignored)."""
-        response = await self._stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout)
+        response = await self._stub.Abort(
+            pb.AbortRequest(request_ids=list(request_ids)), timeout=timeout, metadata=self._metadata
+        )
         return list(response.aborted)
 
     async def tokenize(
@@ -245,22 +259,26 @@ class AsyncLlmserveClient:
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
         response: pb.TokenizeResponse = await self._stub.Tokenize(
-            tokenize_request(text, messages, add_special_tokens), timeout=timeout
+            tokenize_request(text, messages, add_special_tokens), timeout=timeout, metadata=self._metadata
         )
         return response
 
     async def detokenize(
         self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
     ) -> str:
-        response = await self._stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
+        response = await self._stub.Detokenize(
+            detokenize_request(token_ids, skip_special_tokens), timeout=timeout, metadata=self._metadata
+        )
         return str(response.text)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
-        info: pb.ModelInfo = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        info: pb.ModelInfo = await self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
+        )
         return info
 
     async def load(self, *, timeout: float | None = None) -> pb.Load:
-        load: pb.Load = await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
+        load: pb.Load = await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout, metadata=self._metadata)
         return load
 
     async def close(self) -> None:

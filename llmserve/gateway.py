@@ -10,20 +10,34 @@ several schedulers, listed or found as Kubernetes pods.
     llmserve ──(Supervised)──► smg launch --backend vllm --worker-urls grpc://SCHEDULER ...
                                   │ HTTP  :8000  /v1/*, /health, /liveness, /readiness
                                   │ HTTP  :9092  /metrics (smg_*)
+
+smg sends no credentials to the schedulers, so it dials their gateway listener
+(scheduler_svc/api/server.py), where every call counts as the gateway's. Over HTTP it asks for
+keys itself (`api_keys`): requests without one are 401. smg takes one shared `--api-key`, good
+for every route including its own admin ones (/flush_cache, /workers, ...), and any number of
+`--tenant-api-key TENANT:KEY`, good for the serving routes (/v1/...) only: so the first key
+(`llmserve up` puts an admin key first) is the shared one and the others are tenant keys named
+by `key_name`. Over HTTP every key then acts as the gateway, whose requests the scheduler cannot
+tell apart. smg reads keys from its command line only, which any local user can read in
+/proc; smg is a Python program, so we run its entry point with the keys added to its argv in
+its own process, from the environment (`KEYS_ENV`), readable by this user alone.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
 import shutil
 import sys
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
+from common.grpc.auth import key_name
 from llmserve.supervisor import Supervised, bound_to_this_process
 
 log = structlog.get_logger("llmserve")
@@ -38,6 +52,11 @@ DEFAULT_METRICS_PORT = 9092
 _SMG_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
 # Our own gateway is dialed directly: an operator's http_proxy would otherwise get the probe.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The HTTP keys' smg flags, as a JSON list, for the launcher below; it takes them out of the environment.
+KEYS_ENV = "LLMSERVE_SMG_KEY_ARGS"
+_LAUNCH = (
+    f"import json, os, sys; from smg.cli import main; main([*sys.argv[1:], *json.loads(os.environ.pop({KEYS_ENV!r}))])"
+)
 
 
 class GatewayUnavailable(ValueError):
@@ -76,6 +95,9 @@ class GatewayConfig:
     shutdown_grace: float = 30.0  # seconds in-flight HTTP requests get on SIGTERM
     log_level: str = "info"
     log_json: bool = False
+    # HTTP requests must show one (`Authorization: Bearer KEY`); empty: none asked for. The
+    # first is smg's shared key (every route), the others serve /v1 only (see the module's doc).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if bool(self.schedulers) == (self.discovery is not None):
@@ -178,6 +200,27 @@ def smg_command(config: GatewayConfig, executable: str) -> list[str]:
     return cmd
 
 
+def smg_key_args(config: GatewayConfig) -> list[str]:
+    """smg's flags for the HTTP keys: the first shared, the others per tenant (named by key_name)."""
+    if not config.api_keys:
+        return []
+    first, *others = config.api_keys
+    return ["--api-key", first, *(a for key in others for a in ("--tenant-api-key", f"{key_name(key)}:{key}"))]
+
+
+def smg_process(config: GatewayConfig, executable: str) -> tuple[list[str], dict[str, str] | None]:
+    """How to start smg for `config`: its command line and environment (None: ours). The keys
+    travel in the environment when smg's Python entry point is importable here, in argv else."""
+    cmd = smg_command(config, executable)
+    keys = smg_key_args(config)
+    if not keys:
+        return cmd, None
+    if importlib.util.find_spec("smg") is None:
+        log.warning("gateway_keys_in_argv", detail="smg is not importable here: its API keys go on its command line")
+        return cmd + keys, None
+    return [sys.executable, "-c", _LAUNCH, *cmd[1:]], {**os.environ, KEYS_ENV: json.dumps(keys)}
+
+
 class Gateway:
     """smg as a child process: started, restarted if it dies, stopped (draining) before the
     schedulers it routes to. It gets SIGTERM if we die, and a session of its own so that a
@@ -185,8 +228,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, executable: str | None = None) -> None:
         self.config = config
-        self.command = smg_command(config, executable or smg_executable())
-        self.process = Supervised(bound_to_this_process(self.command), name="gateway", own_session=True)
+        self.command, env = smg_process(config, executable or smg_executable())
+        self.process = Supervised(bound_to_this_process(self.command), env=env, name="gateway", own_session=True)
         # The smg process whose `http_ready` line was logged. Each process gets its own: after
         # `gateway_exited` an operator (or a script tailing the log) needs to know when HTTP
         # answers again just as much as at the first start.
@@ -226,6 +269,7 @@ class Gateway:
             schedulers=list(cfg.schedulers) or None,
             discovery=" ".join(cfg.discovery.selector) if cfg.discovery else None,
             policy=cfg.policy,
+            http_keys=len(cfg.api_keys),
         )
         self.process.start()
 

@@ -244,3 +244,67 @@ def test_the_workers_adapt_exactly_the_modules_the_registry_accepts() -> None:
     from worker_svc.lora.lora_slots import TARGETS
 
     assert set(TARGETS) == set(MODULES)
+
+
+# ---- a root to load from (--lora-root) ----
+
+
+@pytest.fixture
+def lora_root(tmp_path: Path, good_adapter: Path) -> Path:
+    """root/inside (an adapter), root/out-link -> an adapter outside, root/file, root/leaky:
+    an adapter dir whose safetensors file links outside; beside it outside/ (an adapter)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _copy(good_adapter, root / "inside")
+    outside = _copy(good_adapter, tmp_path / "outside")
+    (root / "out-link").symlink_to(outside, target_is_directory=True)
+    (root / "file").write_text("not a directory")
+    leaky = _copy(good_adapter, root / "leaky")
+    (leaky / "adapter_model.safetensors").unlink()
+    (leaky / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    return root
+
+
+def test_with_a_root_adapters_load_from_inside_it_only(tiny_model_dir: Path, lora_root: Path) -> None:
+    from scheduler_svc.lora.adapter_registry import OUTSIDE_ROOT
+
+    reg = AdapterRegistry(str(tiny_model_dir), 64, True, root=str(lora_root))
+    assert reg.load("a", str(lora_root / "inside")).path == str(lora_root / "inside")
+    assert reg.load("b", "inside").path == str(lora_root / "inside")  # relative: to the root
+    outside = lora_root.parent / "outside"
+    refused = [
+        str(outside),  # outside, and it exists
+        str(lora_root / "out-link"),  # inside, but a link out
+        "out-link",
+        "../outside",
+        str(lora_root / "missing"),
+        str(lora_root.parent / "missing"),
+        str(lora_root / "file"),
+        str(lora_root / "leaky"),  # a file of it links out
+        "inside\0",
+    ]
+    messages = set()
+    for i, path in enumerate(refused):
+        with pytest.raises(InvalidArgument) as error:
+            reg.load(f"x{i}", path)
+        assert error.value.field == "path"
+        messages.add(str(error.value))
+    # One answer for everything: a caller learns nothing of what lies where.
+    assert messages == {f"path: {OUTSIDE_ROOT}"}
+    assert [a.name for a in reg.list()] == ["a", "b"]
+
+
+def test_without_a_root_startup_adapters_load_from_anywhere(tiny_model_dir: Path, lora_root: Path) -> None:
+    reg = _registry(tiny_model_dir)
+    assert reg.load("a", str(lora_root.parent / "outside")).name == "a"
+    assert reg.load("b", str(lora_root / "out-link")).name == "b"
+
+
+def test_check_reads_without_registering_and_add_keeps_names_unique(tiny_model_dir: Path, good_adapter: Path) -> None:
+    reg = _registry(tiny_model_dir)
+    first, second = reg.check("a", str(good_adapter)), reg.check("a", str(good_adapter))
+    assert reg.list() == [] and first.version != second.version
+    reg.add(first)
+    with pytest.raises(AlreadyExists):
+        reg.add(second)  # two loads of one name racing: the second is refused
+    assert reg.list() == [first]

@@ -36,7 +36,15 @@ from common.pb.llmserve.v1 import generation_pb2 as pb
 from llmserve.cli import configs
 from llmserve.cli.parser import build_parser
 from llmserve.client import LlmserveClient, generate_request
-from llmserve.gateway import GatewayConfig, GatewayUnavailable, KubernetesDiscovery, smg_command, smg_executable
+from llmserve.gateway import (
+    KEYS_ENV,
+    GatewayConfig,
+    GatewayUnavailable,
+    KubernetesDiscovery,
+    smg_command,
+    smg_executable,
+    smg_process,
+)
 from tests.conftest import REPO
 from tests.test_structured_output import SCHEMAS
 
@@ -630,6 +638,8 @@ def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() ->
     assert config is not None
     assert (config.host, config.port, config.schedulers) == ("0.0.0.0", 8000, ("127.0.0.1:50061",))
     assert configs.up_gateway_config(_up("--no-http")) is None
+    # TLS on the public port leaves the gateway's loopback listener as it is.
+    assert configs.up_gateway_config(_up("--tls-cert", "c.pem", "--tls-key", "k.pem")) is not None
 
 
 @pytest.mark.parametrize(
@@ -640,7 +650,6 @@ def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() ->
         (("--http-port", "70000"), "--http-port 70000 is not a TCP port"),
         (("--http-port", "0"), "--http-port 0 is not a TCP port"),
         (("--http-metrics-port", "8000"), "--http-port and --http-metrics-port are both 8000"),
-        (("--tls-cert", "c.pem", "--tls-key", "k.pem"), "add --no-http"),
     ],
 )
 def test_up_refuses_bad_gateway_flags(flags: tuple[str, ...], message: str) -> None:
@@ -711,6 +720,28 @@ def test_the_smg_command_line() -> None:
     assert found[found.index("--selector") + 1] == "app.kubernetes.io/component=scheduler"
     assert found[found.index("--service-discovery-port") + 1] == "50051"
     assert found[found.index("--service-discovery-namespace") + 1] == "prod"
+
+
+def test_http_keys_reach_smg_through_its_environment_never_its_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.grpc.auth import key_name
+
+    first, second = "admin-key-0001", "client-key-0002"
+    config = GatewayConfig(schedulers=("s1:50051",), api_keys=(first, second))
+    assert first not in repr(config)
+    cmd, env = smg_process(config, "/venv/bin/smg")
+    assert cmd[:2] == [sys.executable, "-c"] and cmd[3:] == smg_command(config, "smg")[1:]
+    assert env is not None and not [arg for arg in cmd if first in arg or second in arg]
+    # The first key is smg's shared one (every route); the others per tenant (/v1 only).
+    assert json.loads(env[KEYS_ENV]) == ["--api-key", first, "--tenant-api-key", f"{key_name(second)}:{second}"]
+    assert smg_process(GatewayConfig(schedulers=("s1:50051",)), "smg") == (smg_command(config, "smg"), None)
+
+    monkeypatch.setenv("LLMSERVE_API_KEY", "env-key-0003")
+    parsed = configs.gateway_config(
+        build_parser().parse_args(["gateway", "--scheduler", "s1:50051", "--api-key", first, "--api-key", second])
+    )
+    assert parsed.api_keys == (first, second, "env-key-0003")
+    with pytest.raises(ValueError, match="at least 8 characters"):
+        configs.gateway_config(build_parser().parse_args(["gateway", "--scheduler", "s1:1", "--api-key", "short"]))
 
 
 def test_smg_is_found_beside_the_interpreter_then_on_path_else_a_clear_error(tmp_path: Path) -> None:

@@ -76,6 +76,9 @@ async def lora_scheduler(
         enable_lora=True,
         max_lora_rank=MAX_RANK,
         lora_modules=(("qv", str(adapter_dirs["qv"])),),  # type: ignore[arg-type]
+        # The tests load the others at run time, from the directory that holds them all.
+        lora_root=str(adapter_dirs["qv"].parent),  # type: ignore[arg-type]
+        allow_runtime_lora=True,
     )
     await s.wait_ready()
     try:
@@ -250,6 +253,7 @@ async def test_worker_groups_without_big_enough_slots_are_refused(lora_scheduler
         )
 
     fleet = lora_scheduler.engine._fleet
-    assert fleet._incompatibility(info(2, MAX_RANK)) is None
-    assert "--enable-lora" in (fleet._incompatibility(info(0, 0)) or "")
-    assert f"--max-lora-rank {MAX_RANK}" in (fleet._incompatibility(info(2, 8)) or "")
+    (group,) = lora_scheduler.engine.replicas
+    assert fleet._incompatibility(group, info(2, MAX_RANK)) is None
+    assert "--enable-lora" in (fleet._incompatibility(group, info(0, 0)) or "")
+    assert f"--max-lora-rank {MAX_RANK}" in (fleet._incompatibility(group, info(2, 8)) or "")

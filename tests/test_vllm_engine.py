@@ -639,6 +639,10 @@ def test_kv_batches_chain_consecutive_stores() -> None:
         "parent_block_hash"
     )
     assert msg.events[1].stored.parent_block_hash == 5 and list(msg.events[2].removed.block_hashes) == [12]
+    # Token ids are other callers' prompts: only when asked for (the gateway, an admin who asks).
+    assert all(not b.token_ids and b.block_size == 2 for e in msg.events[:2] for b in e.stored.blocks)
+    shown = vllm_kv_wire.kv_batch(batch, token_ids=True)
+    assert [list(b.token_ids) for e in shown.events[:2] for b in e.stored.blocks] == [[1, 2], [3, 4], [9, 9]]
 
 
 def test_requests_map_to_the_engine_request() -> None:

@@ -17,6 +17,8 @@ STATUS_OF: dict[type[errors.LlmserveError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,

@@ -242,10 +242,8 @@ def up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
     scheduler address is filled in once the port is bound (--port 0 picks one)."""
     if a.no_http:
         return None
-    if a.tls_cert is not None:
-        raise ValueError(
-            "--tls-cert: the HTTP gateway dials the scheduler in plaintext and cannot reach a TLS port; add --no-http"
-        )
+    # --tls-cert is no obstacle: smg dials the scheduler's gateway listener on loopback, which is
+    # plaintext (smg speaks h2c only); TLS guards the public port.
     taken = {a.port: "--port", **({a.metrics_port: "--metrics-port"} if a.metrics_port else {})}
     for flag, port in (("--http-port", a.http_port), ("--http-metrics-port", a.http_metrics_port)):
         if port in taken:
@@ -272,6 +270,7 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
         raise ValueError(
             "llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE"
         )
+    keys = AuthConfig(api_keys=_secrets(a.api_key, a.api_key_file, "LLMSERVE_API_KEY")).api_keys  # checked as keys
     return GatewayConfig(
         schedulers=tuple(a.scheduler),
         discovery=discovery,
@@ -283,4 +282,5 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
         shutdown_grace=a.drain_timeout,
         log_level=a.log_level,
         log_json=log_json(),
+        api_keys=keys,
     )

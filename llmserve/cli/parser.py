@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop", action="append", default=[], metavar="TEXT", help="stop at this text; repeat for several"
     )
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY", "").split(",")[0].strip() or None,
+        help="key of a server started with --api-key (default: the first of LLMSERVE_API_KEY)",
+    )
 
     gw = sub.add_parser("gateway", help="run the OpenAI HTTP API (smg) over one or more running schedulers")
     gw.add_argument(
@@ -233,6 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="namespace to watch for scheduler pods (default: every namespace, which needs cluster-wide permissions)",
     )
+    gw.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="HTTP requests must send `Authorization: Bearer KEY` (else 401); repeat for several: the first also "
+        "opens smg's admin routes (/flush_cache, /workers), the others /v1 only. Also read from --api-key-file and "
+        "LLMSERVE_API_KEY (comma-separated). smg shows no key to the schedulers: behind keys, name their "
+        "--gateway-port in --scheduler (and --k8s-port)",
+    )
+    gw.add_argument("--api-key-file", default=None, metavar="PATH", help="file of HTTP API keys, one per line")
 
     sub.add_parser("prepare-model", help="download and convert the default model (once)")
     return root

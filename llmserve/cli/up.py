@@ -3,6 +3,12 @@ in order, restarted when one dies, and stopped in order on SIGINT or SIGTERM.
 
 The offline `LLM` starts its workers the same way (llmserve/local_engine.py), with
 `gpu_share` and the worker command line of worker.py.
+
+Credentials: the workers and the scheduler share a token made here for this run
+(LLMSERVE_WORKER_TOKEN in the workers' environment, never their argv). The gateway dials the
+scheduler's gateway listener, an ephemeral port on loopback, where smg needs no key (it sends
+none); with client keys, smg asks HTTP callers for them (llmserve/gateway.py: the first admin
+key is smg's shared key, every other key serves /v1 only).
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import replace
 
 import structlog
 
+from common.config import AuthConfig
 from common.grpc.ports import check_free
 from llmserve.cli import configs
 from llmserve.cli.commands import run_until_signal
@@ -30,7 +38,9 @@ log = structlog.get_logger("llmserve")
 def cmd_up(a: argparse.Namespace) -> None:
     from scheduler_svc.api.server import SchedulerServer
 
-    server_config = configs.server_config(a)
+    # The worker plane's token for this run: only our own workers and scheduler know it.
+    token = secrets.token_urlsafe(32)
+    server_config = configs.server_config(a, worker_token=token)
     model = configs.model_dir(a.model)
     configs.worker_config(a, model)  # validate worker flags before starting anything
     configs.check_tp(model, a.tp)
@@ -66,15 +76,22 @@ def cmd_up(a: argparse.Namespace) -> None:
         # process group, and a worker that stopped on it would be lost under a running step;
         # only `up` gets it, and drains like on SIGTERM.
         workers = [
-            Supervised(cmd, env=gpu_share(i, a.tp, a.workers), own_session=True) for i, cmd in enumerate(commands)
+            Supervised(cmd, env=_worker_env(gpu_share(i, a.tp, a.workers), token), own_session=True)
+            for i, cmd in enumerate(commands)
         ]
         server: SchedulerServer | None = None
         gateway: Gateway | None = None
         try:
             for worker in workers:
                 worker.start()
-            starting = SchedulerServer(model, addresses, server_config, configs.scheduler_config(a))
-            port = await starting.start()
+            starting = SchedulerServer(
+                model,
+                addresses,
+                server_config,
+                configs.scheduler_config(a),
+                gateway_address="127.0.0.1:0" if gateway_config is not None else None,
+            )
+            await starting.start()
             server = starting
             while not stop.is_set():
                 for worker in workers:
@@ -89,7 +106,10 @@ def cmd_up(a: argparse.Namespace) -> None:
                     # Once requests can be answered. Started earlier, smg would report itself
                     # ready at once (it counts a registered scheduler as healthy until health
                     # checks fail) and answer requests with the scheduler's UNAVAILABLE.
-                    gateway = Gateway(replace(gateway_config, schedulers=(dial_address(a.host, port),)), smg)
+                    schedulers = (dial_address("127.0.0.1", server.gateway_port),)
+                    gateway = Gateway(
+                        replace(gateway_config, schedulers=schedulers, api_keys=http_keys(server_config.auth)), smg
+                    )
                     gateway.start()
                 waiting_for_ready = gateway_config is not None and (gateway is None or not gateway.announced)
                 with contextlib.suppress(TimeoutError):
@@ -107,6 +127,16 @@ def cmd_up(a: argparse.Namespace) -> None:
             shutil.rmtree(sockdir, ignore_errors=True)
 
     run_until_signal(body)
+
+
+def http_keys(auth: AuthConfig) -> tuple[str, ...]:
+    """The keys smg asks HTTP callers for, an admin one first: the first is smg's shared key,
+    which opens its admin routes too (llmserve/gateway.py)."""
+    return tuple(dict.fromkeys((*auth.admin_keys, *auth.api_keys)))
+
+
+def _worker_env(env: dict[str, str] | None, token: str) -> dict[str, str]:
+    return {**(env if env is not None else os.environ), configs.WORKER_TOKEN_ENV: token}
 
 
 def gpu_share(index: int, tp: int, groups: int) -> dict[str, str] | None:

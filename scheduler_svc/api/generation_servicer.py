@@ -10,11 +10,12 @@ import grpc
 import structlog
 
 from common.errors import InvalidArgument, Unavailable
+from common.grpc import auth
 from common.pb.llmserve.v1 import generation_pb2 as gen_pb
 from common.pb.llmserve.v1 import generation_pb2_grpc
 from scheduler_svc.api import generation_wire as wire
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.request import check_request_id
+from scheduler_svc.engine.request import GenerationRequest, check_request_id
 
 # Caller ids accepted from metadata, echoed back and bound into every log line of the request.
 ID_HEADERS = ("x-request-id", "x-correlation-id")
@@ -48,6 +49,19 @@ def bind_trace(headers: dict[str, str]) -> None:
     structlog.contextvars.bind_contextvars(**log_fields(headers))
 
 
+def owned(req: GenerationRequest) -> GenerationRequest:
+    """The request as the caller's (common/grpc/auth.py caller()): whose Abort reaches it, and
+    whether it may take a priority below 0."""
+    who = auth.caller()
+    return dataclasses.replace(req, owner=who.name, privileged=who.admin)
+
+
+def abort_scope() -> str | None:
+    """Whose requests the caller's Abort may end: its own, or any for an admin (the gateway)."""
+    who = auth.caller()
+    return None if who.admin else who.name
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -64,13 +78,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = req.request_id or uuid.uuid4().hex
         echo = {"x-request-id": request_id, **headers}
         await context.send_initial_metadata(tuple(echo.items()))
-        async for out in self._engine.generate(dataclasses.replace(req, request_id=request_id), end_cause(context)):
+        async for out in self._engine.generate(
+            owned(dataclasses.replace(req, request_id=request_id)), end_cause(context)
+        ):
             yield wire.generate_response(out)
 
     async def Abort(  # noqa: N802
         self, request: gen_pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.AbortResponse:
-        return gen_pb.AbortResponse(aborted=self._engine.abort_requests(list(request.request_ids)))
+        return gen_pb.AbortResponse(aborted=self._engine.abort_requests(list(request.request_ids), abort_scope()))
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -81,22 +97,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument("text", "set either text or messages, not both")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         if messages:
-            ids = engine.prompt_tokens("", (), messages)
+            ids = await engine.prompt_tokens("", (), messages, limit="max_tokenize_bytes")
         else:
-            ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
-        return gen_pb.TokenizeResponse(token_ids=ids, tokens=engine.tokenizer.token_strings(ids))
+            ids = await engine.tokenizer.encode_within("text", request.text, add_special, engine.limits.request)
+        tokens = await engine.tokenizer.token_strings_off_loop(ids)
+        return gen_pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def Detokenize(  # noqa: N802
         self, request: gen_pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.DetokenizeResponse:
-        vocab = self._engine.limits.vocab_size
-        for i, token in enumerate(request.token_ids):
-            if token >= vocab:
-                raise InvalidArgument(f"token_ids[{i}]", f"token id {token} is outside the vocabulary (size {vocab})")
+        limits = self._engine.limits
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return gen_pb.DetokenizeResponse(
-            text=self._engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
-        )
+        text = await self._engine.tokenizer.decode_within(request.token_ids, skip, limits.request, limits.vocab_size)
+        return gen_pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(  # noqa: N802
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -115,7 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: gen_pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.AdapterInfo:
         bind_trace(trace_headers(context))
-        return wire.adapter_info(self._engine.load_adapter(request.name, request.path))
+        return wire.adapter_info(await self._engine.load_adapter_at_runtime(request.name, request.path))
 
     async def UnloadAdapter(  # noqa: N802
         self, request: gen_pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext

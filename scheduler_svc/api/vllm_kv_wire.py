@@ -21,8 +21,11 @@ def flush_response(forgotten: int, busy_groups: int, in_flight: int) -> common_p
     return common_pb2.FlushCacheResponse(success=True, message=f"flushed {forgotten} cached prefix blocks")
 
 
-def kv_batch(batch: KvBatch) -> common_pb2.KvEventBatch:
-    """A batch of cache events; consecutive stores of one chain share a KvBlocksStored."""
+def kv_batch(batch: KvBatch, token_ids: bool = False) -> common_pb2.KvEventBatch:
+    """A batch of cache events; consecutive stores of one chain share a KvBlocksStored.
+
+    The blocks' token ids are pieces of other callers' prompts: only with `token_ids`
+    (vllm_servicer decides who sees them); without, a block is its hash and size."""
     events: list[common_pb2.KvCacheEvent] = []
     chain: list[BlockStored] = []
 
@@ -31,7 +34,9 @@ def kv_batch(batch: KvBatch) -> common_pb2.KvEventBatch:
             stored = common_pb2.KvBlocksStored(
                 blocks=[
                     common_pb2.KvBlock(
-                        block_hash=s.block_hash, token_ids=[int(t) for t in s.token_ids], block_size=len(s.token_ids)
+                        block_hash=s.block_hash,
+                        token_ids=[int(t) for t in s.token_ids] if token_ids else [],
+                        block_size=len(s.token_ids),
                     )
                     for s in chain
                 ],

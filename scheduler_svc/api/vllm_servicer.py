@@ -29,8 +29,9 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from common.errors import Cancelled, InvalidArgument, Unavailable, Unimplemented
+from common.grpc import auth
 from scheduler_svc.api import vllm_kv_wire, vllm_state_wire, vllm_wire
-from scheduler_svc.api.generation_servicer import bind_trace, end_cause, trace_headers
+from scheduler_svc.api.generation_servicer import abort_scope, bind_trace, end_cause, owned, trace_headers
 from scheduler_svc.api.vllm_wire import GenerateCall
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.request import GenerationRequest, RequestOutput, TokenLogprob
@@ -38,6 +39,11 @@ from scheduler_svc.text.tokenizer_bundle import TokenizerBundle, build_bundle
 
 # Highest SubscribeKvEvents cursor accepted, plus one (batch numbers are uint64).
 MAX_KV_CURSOR = 2**63
+# Call metadata with which an admin's SubscribeKvEvents asks for the blocks' token ids.
+KV_TOKEN_IDS_HEADER = "x-llmserve-kv-token-ids"
+# Every caller of the gateway's listener (scheduler_svc/api/server.py): smg, which dials without
+# credentials, so the listener is bound where only the gateway reaches it.
+GATEWAY = auth.Caller("gateway", admin=True)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FLUSH_POLL_S = 0.02
@@ -86,19 +92,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         headers = trace_headers(context)
         bind_trace(headers)
         call = vllm_wire.generate_call(request)
-        prompt = self._prompt(call)
-        req = replace(call.request, prompt_token_ids=tuple(prompt))
+        prompt = await self._prompt(call)
+        req = owned(replace(call.request, prompt_token_ids=tuple(prompt)))
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
         async for message in self._generate(call, req, prompt, end_cause(context)):
             yield message
 
-    def _prompt(self, call: GenerateCall) -> list[int]:
+    async def _prompt(self, call: GenerateCall) -> list[int]:
         """The prompt's token ids, truncated on the left as asked (vLLM keeps the prompt's end)."""
         if call.text is not None:
             if not call.text:
                 raise InvalidArgument("text", "empty prompt")
-            ids = self._engine.tokenizer.encode(call.text)
+            ids = await self._engine.prompt_tokens(call.text, (), ())
         else:
             ids = list(call.token_ids)
         keep = call.truncate_prompt_tokens
@@ -195,7 +201,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        self._engine.abort_requests(list(request.request_ids))
+        self._engine.abort_requests(list(request.request_ids), abort_scope())
         return pb.AbortResponse()
 
     async def Embed(  # noqa: N802
@@ -216,7 +222,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         spec = self._engine.spec
         return vllm_state_wire.model_info(
             self._engine.model_info(),
-            spec.path,
+            # Where the model lies on this server is for the gateway (and admins) only: a
+            # gateway on the same machine reads the tokenizer from there.
+            spec.path if auth.caller().admin else spec.name,
             spec.model_type,
             spec.architectures,
             spec.bos_token_id,
@@ -285,12 +293,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 "start_sequence_number",
                 f"{request.start_sequence_number} is beyond any number this server hands out (< 2^63)",
             )
+        token_ids = _sees_token_ids(context)
         # Load is not pushed on this stream (EngineLoad): the gateway keeps polling GetLoads.
         with self._kv_log.subscribe(request.start_sequence_number) as batches:
             # Headers now tell the subscriber that every later cache change reaches it.
             await context.send_initial_metadata(())
             async for batch in batches:
-                yield vllm_kv_wire.kv_batch(batch)
+                yield vllm_kv_wire.kv_batch(batch, token_ids)
 
     # ---- profiling ----
 
@@ -307,6 +316,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         raise Unimplemented("StopProfile: profiling is not supported")
 
 
-def register(server: grpc.aio.Server, engine: Engine) -> None:
-    """Serve the gateway protocol on `server`, next to the native one."""
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine), server)
+def _sees_token_ids(context: grpc.aio.ServicerContext) -> bool:
+    """Whether this subscriber's cache events carry the blocks' token ids (other callers'
+    prompts), not only their hashes. The interceptor let only admins this far. The gateway
+    gets them (smg's cache-aware router hashes the token ids itself), and so does everyone on
+    a server without keys (every caller is the same admin there, who could ask anyway); a
+    keyed admin asks with the call metadata `KV_TOKEN_IDS_HEADER: 1`."""
+    who = auth.caller()
+    if who in (GATEWAY, auth.ANONYMOUS):
+        return True
+    asked = dict((k, v) for k, v in context.invocation_metadata() or () if isinstance(v, str))
+    return who.admin and asked.get(KV_TOKEN_IDS_HEADER) == "1"
+
+
+def register(server: grpc.aio.Server, engine: Engine, servicer: VllmEngineServicer | None = None) -> VllmEngineServicer:
+    """Serve the gateway protocol on `server`, next to the native one; one servicer may serve
+    several servers (the scheduler's port and the gateway's)."""
+    servicer = servicer or VllmEngineServicer(engine)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    return servicer

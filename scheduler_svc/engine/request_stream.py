@@ -34,6 +34,7 @@ class RequestStream:
     aborted: bool = False  # by an Abort call: its blocks go at the next step
     abort_reason: str | None = None  # abort_call, deadline, cancelled
     trace: dict[str, str] = field(default_factory=dict)  # the caller's x-request-id / x-correlation-id
+    owner: str = ""  # the caller that sent it (GenerationRequest.owner): the one whose Abort reaches it
     # Latency bookkeeping for the metrics (monotonic seconds).
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -5,6 +5,13 @@ are named `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}
 shape [r, in] and B of [out, r]. Only the header of the safetensors file is read here (its JSON
 names every tensor's shape), so the scheduler still imports no torch. Everything a worker would
 trip over is refused here with INVALID_ARGUMENT: a worker that fails a step loses its group.
+
+With a root (`--lora-root`), an adapter's directory and the two files in it must resolve,
+links followed, to inside it; a relative path is the root's. Whatever else a path is (missing,
+outside, unreadable, a file) it gets the same refusal, `OUTSIDE_ROOT`, so that a caller cannot
+probe the server's file system through the answers. Each registration is a new identity
+(`version`): an adapter unloaded and loaded again under its name shares no slot and no cached
+prefix block with its predecessor, whose requests in flight keep theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from common.lora_format import MLP_MODULES, MODULES, TENSOR_NAME, UNSUPPORTED, l
 MAX_NAME_LENGTH = 128
 _HEADER_LIMIT = 100 << 20  # a safetensors header is JSON; a bigger one is not a LoRA adapter
 _versions = itertools.count(1)  # one per registration in this process (workers key host copies by it)
+_FILES = ("adapter_config.json", "adapter_model.safetensors")
+OUTSIDE_ROOT = "not an adapter directory inside this server's LoRA root (--lora-root)"
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,11 @@ class Adapter:
 
 
 class AdapterRegistry:
-    def __init__(self, model_dir: str, max_lora_rank: int, enabled: bool) -> None:
+    def __init__(self, model_dir: str, max_lora_rank: int, enabled: bool, root: str | None = None) -> None:
         self.model_dir = model_dir
         self.max_lora_rank = max_lora_rank
         self.enabled = enabled
+        self.root = None if root is None else Path(root).resolve()  # None: adapters from anywhere
         self._adapters: dict[str, Adapter] = {}
         self._shapes: dict[str, tuple[int, int]] | None = None  # module -> (in, out), read on first load
 
@@ -68,23 +78,39 @@ class AdapterRegistry:
         return adapter
 
     def load(self, name: str, path: str) -> Adapter:
+        """Check and register, on the calling thread."""
+        return self.add(self.check(name, path))
+
+    def check(self, name: str, path: str) -> Adapter:
+        """The adapter at `path`, its files read and checked, not registered yet: this reads
+        files and may run in a thread (nothing here changes the registry)."""
         if not self.enabled:
             raise InvalidArgument("name", "LoRA adapters are off: start the server with --enable-lora")
         if not 1 <= len(name) <= MAX_NAME_LENGTH or not all(" " < c <= "~" for c in name):
             raise InvalidArgument(
                 "name", f"1-{MAX_NAME_LENGTH} printable ASCII characters without spaces, got {name!r}"
             )
-        if name in self._adapters:
-            raise AlreadyExists(f"name: adapter {name!r} is already loaded; unload it first")
-        # Workers open the path themselves: a relative one would name their working directory.
-        path = os.path.abspath(path)
-        if not Path(path).is_dir():
-            raise InvalidArgument("path", f"{path} is not a directory (a PEFT adapter's)")
+        self._check_free(name)
+        if self.root is not None:
+            path = str(_inside(self.root, path))
+        else:
+            # Workers open the path themselves: a relative one would name their working directory.
+            path = os.path.abspath(path)
+            if not Path(path).is_dir():
+                raise InvalidArgument("path", f"{path} is not a directory (a PEFT adapter's)")
         rank, scale = self._check_config(Path(path))
         targets = self._check_tensors(Path(path), rank)
-        adapter = Adapter(name, path, next(_versions), rank, scale, targets)
-        self._adapters[name] = adapter
+        return Adapter(name, path, next(_versions), rank, scale, targets)
+
+    def add(self, adapter: Adapter) -> Adapter:
+        """Register a checked adapter; requests may name it from now on."""
+        self._check_free(adapter.name)  # again: another load may have taken the name meanwhile
+        self._adapters[adapter.name] = adapter
         return adapter
+
+    def _check_free(self, name: str) -> None:
+        if name in self._adapters:
+            raise AlreadyExists(f"name: adapter {name!r} is already loaded; unload it first")
 
     def _check_config(self, path: Path) -> tuple[int, float]:
         file = path / "adapter_config.json"
@@ -173,6 +199,19 @@ class AdapterRegistry:
                 "down_proj": (inter, hidden),
             }
         return self._shapes
+
+
+def _inside(root: Path, path: str) -> Path:
+    """`path` (a relative one is the root's) resolved, when it and its files lie inside `root`."""
+    try:
+        real = (root / path).resolve(strict=True)
+        # A file may be missing (the checks after this one say so), not a link out of the root.
+        inside = real.is_dir() and all(p.is_relative_to(root) for p in (real, *((real / f).resolve() for f in _FILES)))
+    except (OSError, RuntimeError, ValueError):  # missing, unreadable, a loop of links, a NUL byte
+        inside = False
+    if not inside:
+        raise InvalidArgument("path", OUTSIDE_ROOT)  # the caller knows which path it sent
+    return real
 
 
 def _text_config(model_dir: str) -> dict[str, Any]:
