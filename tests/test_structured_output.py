@@ -343,7 +343,8 @@ async def test_invalid_constraints_are_refused_with_the_reason(
 
 async def test_beam_search_and_min_tokens_with_a_constraint_are_refused(tiny_scheduler: Scheduler) -> None:
     """Refused before anything compiles (the first compile costs seconds)."""
-    compiled = tiny_scheduler.engine._grammars._cached.cache_info()  # noqa: SLF001
+    cache = tiny_scheduler.engine._grammars.cache  # noqa: SLF001
+    compiled = (cache.hits, cache.misses, len(cache))
     so = pb.StructuredOutput(json_schema='{"type": "integer", "minimum": 17}')
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(tiny_scheduler.stub, constrained(so, beam_width=2))
@@ -351,7 +352,7 @@ async def test_beam_search_and_min_tokens_with_a_constraint_are_refused(tiny_sch
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(tiny_scheduler.stub, constrained(so, min_tokens=2))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in (error.value.details() or "")
-    assert tiny_scheduler.engine._grammars._cached.cache_info() == compiled  # noqa: SLF001
+    assert (cache.hits, cache.misses, len(cache)) == compiled
     with pytest.raises(ValueError, match="json_max_whitespace"):
         SchedulerConfig(json_max_whitespace=0)  # xgrammar takes no 0: every JSON constraint would fail
 

@@ -26,10 +26,11 @@ import grpc
 from common.pb.fmaas import generation_pb2 as pb
 from common.pb.fmaas import generation_pb2_grpc
 from scheduler_svc.api import tgis_wire
-from scheduler_svc.api.generation_servicer import bind_trace, end_cause, trace_headers
+from scheduler_svc.api.generation_servicer import bind_trace, end_cause, owned, trace_headers
 from scheduler_svc.api.tgis_wire import TgisParams, TimeLimit
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.request import GenerationRequest, RequestOutput, TokenLogprob
+from scheduler_svc.text.input_limits import check_text_bytes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -62,7 +63,7 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _generate_one(
         self, text: str, params: TgisParams, deadline: float | None, cause: Callable[[], str]
     ) -> pb.GenerationResponse:
-        prompt_ids, seed, req = self._request(text, params)
+        prompt_ids, seed, req = await self._request(text, params)
         outputs: list[RequestOutput] = []
         end: RequestOutput | TimeLimit | None = None
         async with aclosing(_run(self._engine.generate(req, cause), deadline)) as stream:
@@ -92,7 +93,7 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         bind_trace(headers)
         text, params = tgis_wire.single_request(request)
         deadline = _deadline(params)
-        prompt_ids, seed, req = self._request(text, params)
+        prompt_ids, seed, req = await self._request(text, params)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
         async for message in self._stream(text, params, prompt_ids, seed, req, deadline, _end_cause(context, deadline)):
@@ -125,10 +126,9 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedTokenizeResponse:
         call = tgis_wire.tokenize_request(request)
-        backend = self._engine.tokenizer.backend
+        check_text_bytes("requests", call.texts, self._engine.limits.request, "max_tokenize_bytes")
         results = []
-        for text in call.texts:
-            enc = backend.encode(text, add_special_tokens=True)
+        for enc in await self._engine.tokenizer.encodings_off_loop(list(call.texts)):
             keep = _keep(len(enc.ids), call.truncate_input_tokens)
             results.append((list(enc.tokens[keep:]), [(int(a), int(b)) for a, b in enc.offsets[keep:]]))
         return tgis_wire.tokenize_response(call, results)
@@ -140,13 +140,13 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---- helpers ----
 
-    def _request(self, text: str, params: TgisParams) -> tuple[list[int], int | None, GenerationRequest]:
+    async def _request(self, text: str, params: TgisParams) -> tuple[list[int], int | None, GenerationRequest]:
         """The prompt's tokens (truncated as asked), the seed used, and our request."""
-        ids = self._engine.tokenizer.encode(text) if text else []
+        ids = await self._engine.prompt_tokens(text, (), ()) if text else []
         ids = ids[_keep(len(ids), params.truncate_input_tokens) :]
         # Drawn here rather than by the engine so the response can report it, as TGIS does.
         seed = (params.seed if params.seed is not None else secrets.randbits(63)) if params.sample else None
-        return ids, seed, params.generation_request(ids, self._engine.limits.max_model_len, seed)
+        return ids, seed, owned(params.generation_request(ids, self._engine.limits.max_model_len, seed))
 
     def _text_of(self, token: int) -> str:
         return self._engine.tokenizer.token_strings([token])[0]

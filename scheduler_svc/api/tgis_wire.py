@@ -181,9 +181,9 @@ def _check_decoding(d: pb.DecodingParameters) -> None:
 
 
 def _structured_output(d: pb.DecodingParameters) -> StructuredOutput | None:
-    """The guided constraint (None: free text, which format TEXT also asks for), checked
-    early so that a bad one fails before any prompt is tokenized; the compiler's reasons
-    come when the engine compiles it."""
+    """The guided constraint (None: free text, which format TEXT also asks for). The engine
+    checks it against the server's limits before any prompt is tokenized (check_fields), and
+    the compiler's reasons come when it compiles."""
     guided = d.WhichOneof("guided")
     if guided is None:
         return None
@@ -197,7 +197,6 @@ def _structured_output(d: pb.DecodingParameters) -> StructuredOutput | None:
         spec = StructuredOutput("choice", choices=tuple(d.choice.choices), field="params.decoding")
     else:  # json_schema, regex, grammar: our kinds by the same names
         spec = StructuredOutput(guided, getattr(d, guided), field="params.decoding")
-    spec.check()
     return spec
 
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from common.config import SchedulerConfig
-from common.errors import Cancelled, InvalidArgument, Unavailable
+from common.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
 from common.model_spec import ModelSpec
 from scheduler_svc.engine.fleet import Fleet
 from scheduler_svc.engine.kv_event_log import KvEventLog
@@ -33,6 +33,7 @@ from scheduler_svc.engine.request import (
     RequestOutput,
     check_fields,
     check_length,
+    check_privilege,
     sampling_options,
     stopping_params,
 )
@@ -41,12 +42,15 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_registry import Adapter, AdapterRegistry
 from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from scheduler_svc.text.chat_template import ChatTemplate
+from scheduler_svc.text.chat_template import ChatTemplate, Messages
 from scheduler_svc.text.grammar import Grammar, GrammarCompiler
+from scheduler_svc.text.input_limits import check_messages_bytes, check_text_bytes
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.workers.worker_client import WorkerLink
 
 log = structlog.get_logger(__name__)
+
+RUNTIME_LORA_OFF = "runtime adapter loading is off; start with --allow-runtime-lora --lora-root DIR"
 
 
 class Engine:
@@ -78,7 +82,7 @@ class Engine:
         # The prefix cache's events of every serving group, for subscribers (the gateway's
         # cache-aware routing); polled only while someone subscribes.
         self.kv_event_log = KvEventLog(self._block_managers)
-        self.adapters = AdapterRegistry(spec.path, config.max_lora_rank, config.enable_lora)
+        self.adapters = AdapterRegistry(spec.path, config.max_lora_rank, config.enable_lora, config.lora_root)
         for name, path in config.lora_modules:  # a bad one stops the server at start, with its reason
             self.adapters.load(name, path)
 
@@ -119,9 +123,9 @@ class Engine:
     def start(self) -> None:
         self._fleet.start()
 
-    def attach_group(self, name: str, addresses: list[str]) -> None:
-        """A registered group has all its ranks: connect to it and serve with it."""
-        self._fleet.attach_group(name, addresses)
+    def attach_group(self, name: str, addresses: list[str], refuse: Callable[[str], None] | None = None) -> None:
+        """A registered group has all its ranks: serve with it (`refuse(reason)` ends its registration)."""
+        self._fleet.attach_group(name, addresses, refuse)
 
     def detach_group(self, name: str) -> None:
         """A rank of a registered group left: its requests move to the other groups."""
@@ -140,6 +144,7 @@ class Engine:
         for stream in self._streams.clear():
             stream.fail(Unavailable("the server is shutting down"))
         await self._fleet.stop()
+        self._grammars.close()  # its compiler process
 
     # ---- requests ----
 
@@ -154,7 +159,7 @@ class Engine:
 
         `cause` names why the caller went away when this generator is cancelled (the API
         knows: a deadline, a cancel); it goes into the request_aborted log line."""
-        tokens = self._checked_prompt(req)
+        tokens = await self._checked_prompt(req)
         adapter = self.adapters.get(req.adapter_id) if req.adapter_id else None
         stream = self._admit(req, tokens, await self._grammar(req), adapter)
         # Every log line of this handler's task carries the request id from here on.
@@ -189,20 +194,20 @@ class Engine:
                 self._abort(stream)
 
     async def _grammar(self, req: GenerationRequest) -> Grammar | None:
-        """The structured output's matcher, compiled off the event loop (the first compile
-        loads xgrammar and the tokenizer's vocabulary: seconds), after every cheap refusal
-        (_checked_prompt)."""
+        """The structured output's matcher, after every cheap refusal (_checked_prompt):
+        compiled by the compiler's process (the first compile loads xgrammar: seconds) within
+        --grammar-compile-timeout, off the event loop; a cancel ends the compile."""
         spec = req.structured_output
         if spec is None:
             return None
-        return await asyncio.to_thread(self._grammars.grammar, spec)
+        return await self._grammars.grammar_off_loop(spec, self.limits.request)
 
-    def _checked_prompt(self, req: GenerationRequest) -> list[int]:
+    async def _checked_prompt(self, req: GenerationRequest) -> list[int]:
         """The prompt's tokens, once the request passed every check that needs no worker's
-        answer (UNAVAILABLE while none is ready or when draining)."""
+        answer (UNAVAILABLE while none is ready or when draining); sizes come first."""
         self._ready_replicas()
         check_fields(req, self.limits)
-        tokens = self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
+        tokens = await self.prompt_tokens(req.prompt, req.prompt_token_ids, req.messages)
         check_length(len(tokens), req.max_tokens, self.limits)
         return tokens
 
@@ -218,6 +223,7 @@ class Engine:
         self, req: GenerationRequest, tokens: list[int], grammar: Grammar | None = None, adapter: Adapter | None = None
     ) -> RequestStream:
         ready = self._ready_replicas()  # again: a drain or a worker loss may begin during a compile
+        check_privilege(req)
         request_id = req.request_id or uuid.uuid4().hex
         if self._streams.get(request_id) is not None:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
@@ -246,7 +252,7 @@ class Engine:
         # The caller's trace ids (bound by the API handler) go on the request's lines that the
         # step loop writes too, which runs in another task.
         trace = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in TRACE_FIELDS}
-        stream = RequestStream(group, self.tokenizer, target.block_bytes, trace=trace)
+        stream = RequestStream(group, self.tokenizer, target.block_bytes, trace=trace, owner=req.owner)
         self._streams.add(stream, target)
         target.post(group)
         self.metrics.prompt_tokens.inc(len(tokens))
@@ -266,16 +272,21 @@ class Engine:
         )
         return stream
 
-    def prompt_tokens(self, text: str, token_ids: tuple[int, ...], messages: tuple[tuple[str, str], ...]) -> list[int]:
-        """The prompt's token ids, from whichever of the three forms was given."""
+    async def prompt_tokens(
+        self, text: str, token_ids: tuple[int, ...], messages: Messages, limit: str = "max_prompt_bytes"
+    ) -> list[int]:
+        """The prompt's token ids, from whichever of the three forms was given: a text (or a
+        conversation) within RequestLimits `limit`, rendered and tokenized in a thread."""
         if token_ids:
             return list(token_ids)
-        if messages:
-            if self.chat_template is None:
-                raise InvalidArgument("messages", f"model {self.spec.name!r} has no chat template; send a prompt")
-            # The rendered conversation holds its special tokens already.
-            return self.tokenizer.encode(self.chat_template.render(list(messages)), add_special_tokens=False)
-        return self.tokenizer.encode(text)
+        if not messages:
+            check_text_bytes("prompt", (text,), self.limits.request, limit)
+            return await self.tokenizer.encode_off_loop(text)
+        check_messages_bytes(messages, self.limits.request, limit)
+        if (template := self.chat_template) is None:
+            raise InvalidArgument("messages", f"model {self.spec.name!r} has no chat template; send a prompt")
+        # The rendered conversation holds its special tokens already.
+        return await asyncio.to_thread(lambda: self.tokenizer.encode(template.render(list(messages)), False))
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(
@@ -293,14 +304,34 @@ class Engine:
     # ---- LoRA adapters ----
 
     def load_adapter(self, name: str, path: str) -> Adapter:
-        """Register an adapter (its files checked against the model first); requests may then
-        name it. Worker groups fetch its weights when a step first needs them."""
-        adapter = self.adapters.load(name, path)
-        log.info("adapter_loaded", adapter=name, path=path, rank=adapter.rank, modules=list(adapter.target_modules))
+        """Register an adapter (its files checked against the model first, on this thread);
+        requests may then name it. Worker groups fetch its weights when a step first needs them.
+        For the process's own use (the offline LLM); callers over the network go through
+        `load_adapter_at_runtime`."""
+        return self._adapter_added(self.adapters.load(name, path))
+
+    async def load_adapter_at_runtime(self, name: str, path: str) -> Adapter:
+        """LoadAdapter: only where the operator allowed it (--allow-runtime-lora, which needs
+        --lora-root: the registry keeps every path inside it); the files are read off the loop."""
+        if self.adapters.enabled and not self.config.allow_runtime_lora:
+            raise FailedPrecondition(RUNTIME_LORA_OFF)
+        return self._adapter_added(self.adapters.add(await asyncio.to_thread(self.adapters.check, name, path)))
+
+    def _adapter_added(self, adapter: Adapter) -> Adapter:
+        log.info(
+            "adapter_loaded",
+            adapter=adapter.name,
+            path=adapter.path,
+            version=adapter.version,
+            rank=adapter.rank,
+            modules=list(adapter.target_modules),
+        )
         return adapter
 
     def unload_adapter(self, name: str) -> Adapter:
-        """Forget an adapter: new requests naming it are NOT_FOUND; those in flight keep it."""
+        """Forget an adapter: new requests naming it are NOT_FOUND; those in flight keep it. Loaded
+        again under the same name it is a new version (its own slot key and prefix-cache salt),
+        so requests of the old one never run on the new weights, nor the reverse."""
         adapter = self.adapters.unload(name)
         log.info("adapter_unloaded", adapter=name)
         return adapter
@@ -335,12 +366,15 @@ class Engine:
         results = await asyncio.gather(*flushes)
         return sum(r or 0 for r in results), sum(r is None for r in results)
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Abort in-flight requests by id (their streams end CANCELLED); unknown ids are ignored."""
+    def abort_requests(self, request_ids: list[str], owner: str | None = None) -> list[str]:
+        """Abort in-flight requests by id (their streams end CANCELLED); unknown ids are ignored.
+
+        With `owner`, only that caller's requests: another caller's id is ignored like an
+        unknown one, so Abort neither ends nor reveals requests of others. None: any (admins)."""
         aborted = []
         for request_id in dict.fromkeys(request_ids):
             stream = self._streams.get(request_id)
-            if stream is not None and not stream.aborted:
+            if stream is not None and not stream.aborted and owner in (None, stream.owner):
                 stream.aborted = True
                 stream.abort_reason = "abort_call"
                 stream.fail(Cancelled(f"request {request_id!r} was aborted by an Abort call"))

@@ -11,10 +11,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from common.config import SchedulerConfig
-from common.errors import InvalidArgument, Unimplemented
+from common.config import RequestLimits, SchedulerConfig
+from common.errors import InvalidArgument, PermissionDenied, Unimplemented
 from common.model_spec import ModelSpec
+from scheduler_svc.lora.adapter_registry import MAX_NAME_LENGTH
 from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, StoppingParams
+from scheduler_svc.text.input_limits import check_count, check_messages_bytes, check_text_bytes, over_limit
 from scheduler_svc.text.structured_output import StructuredOutput
 
 
@@ -51,6 +53,10 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # in the text stop strings are matched against
     structured_output: StructuredOutput | None = None
     adapter_id: str = ""  # a LoRA adapter's name; empty = the base model
+    # Who sent it (common/grpc/auth.py Caller.name): Abort from another caller leaves it alone.
+    owner: str = ""
+    # The caller may jump the queue (priority below 0): an admin key, the gateway, in-process use.
+    privileged: bool = True
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ class Limits:
     max_stop_strings: int = 16
     max_logprobs: int = 20
     max_n: int = 16  # most outputs, candidates (best_of) or beams of one request
+    # Sizes no request may pass (prompt bytes, stop strings, grammars...), each with its flag.
+    request: RequestLimits = RequestLimits()
 
     @classmethod
     def of(cls, spec: ModelSpec, config: SchedulerConfig, max_model_len: int | None = None) -> Limits:
@@ -122,6 +130,7 @@ class Limits:
             max_stop_strings=config.max_stop_strings,
             max_logprobs=config.max_logprobs,
             max_n=config.max_n,
+            request=config.limits,
         )
 
 
@@ -138,36 +147,57 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument("request_id", f"printable ASCII only (gRPC metadata), got {bad!r}")
 
 
+def check_privilege(req: GenerationRequest) -> None:
+    """What only privileged callers may ask for: a place ahead of everyone else's requests."""
+    if req.priority < 0 and not req.privileged:
+        raise PermissionDenied(f"priority: below 0 needs an admin API key, got {req.priority}")
+
+
 def check_fields(req: GenerationRequest, limits: Limits) -> None:
-    """Checks that need no tokenizer; raises InvalidArgument naming the field."""
+    """Checks that need no tokenizer; raises InvalidArgument naming the field. Sizes come
+    before the loops over items, so no loop runs long on the event loop."""
     check_request_id(req.request_id)
     given = sum(map(bool, (req.prompt, req.prompt_token_ids, req.messages)))
     if given > 1:
         raise InvalidArgument("prompt", "set exactly one of prompt, prompt_token_ids and messages")
     if not given:
         raise InvalidArgument("prompt", "empty prompt: set prompt, prompt_token_ids or messages")
-    for i, token in enumerate(req.prompt_token_ids):
-        if not 0 <= token < limits.vocab_size:
-            raise InvalidArgument(
-                f"prompt_token_ids[{i}]", f"token id {token} is outside the vocabulary (size {limits.vocab_size})"
-            )
+    check_prompt_size(req, limits)
+    _check_token_ids("prompt_token_ids", req.prompt_token_ids, limits.vocab_size)
+    if len(req.adapter_id) > MAX_NAME_LENGTH:
+        raise InvalidArgument("adapter_id", f"at most {MAX_NAME_LENGTH} characters, got {len(req.adapter_id)}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {req.temperature}")
     if math.isnan(req.top_p) or not 0 <= req.top_p <= 1:
         raise InvalidArgument("sampling.top_p", f"must lie in (0, 1] (0 means unset), got {req.top_p}")
-    for i, token in enumerate(req.stop_token_ids):
-        if not 0 <= token < limits.vocab_size:
-            raise InvalidArgument(
-                f"stopping.stop_token_ids[{i}]",
-                f"token id {token} is outside the vocabulary (size {limits.vocab_size})",
-            )
+    check_count("stopping.stop_token_ids", len(req.stop_token_ids), "ids", limits.request, "max_stop_token_ids")
+    _check_token_ids("stopping.stop_token_ids", req.stop_token_ids, limits.vocab_size)
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument("stopping.stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
+    longest = limits.request.max_stop_string_length
     for i, stop in enumerate(req.stop):
         if not stop:
             raise InvalidArgument(f"stopping.stop[{i}]", "empty stop string")
+        if len(stop) > longest:
+            raise over_limit(f"stopping.stop[{i}]", len(stop), "characters", "max_stop_string_length", longest)
     _check_width(req, limits)
     _check_processing(req, limits)
+
+
+def check_prompt_size(req: GenerationRequest, limits: Limits) -> None:
+    """Before any tokenizer or template sees it: the prompt's text (or the conversation's)
+    within --max-prompt-bytes, its token ids within the context."""
+    check_text_bytes("prompt", (req.prompt,), limits.request, "max_prompt_bytes")
+    check_messages_bytes(req.messages, limits.request, "max_prompt_bytes")
+    if req.prompt_token_ids:
+        check_length(len(req.prompt_token_ids), 0, limits)  # max_tokens comes after the rest
+
+
+def _check_token_ids(field: str, token_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Every id inside the vocabulary; the scan is min and max, in C."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        i, token = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise InvalidArgument(f"{field}[{i}]", f"token id {token} is outside the vocabulary (size {vocab_size})")
 
 
 def _check_processing(req: GenerationRequest, limits: Limits) -> None:
@@ -186,6 +216,7 @@ def _check_processing(req: GenerationRequest, limits: Limits) -> None:
             raise InvalidArgument(f"sampling.{name}", f"at most {limits.max_logprobs} alternatives, got {k}")
     if req.beam_width > 1 and req.logprobs is not None:
         raise Unimplemented("sampling.logprobs: log-probabilities with beam search are not supported yet")
+    check_count("sampling.logit_bias", len(req.logit_bias), "entries", limits.request, "max_logit_bias")
     for token, bias in req.logit_bias:
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgument(
@@ -197,7 +228,7 @@ def _check_processing(req: GenerationRequest, limits: Limits) -> None:
         raise InvalidArgument("stopping.min_tokens", f"{req.min_tokens} exceeds max_tokens ({req.max_tokens})")
     so = req.structured_output
     if so is not None:
-        so.check()
+        so.check(limits.request)
         if req.beam_width > 1:
             raise Unimplemented(f"{so.field}: structured outputs with beam search are not supported")
         if req.min_tokens:

@@ -50,8 +50,12 @@ class StepReporter:
                     name = stream.group.adapter.name
                     by_adapter[name] = by_adapter.get(name, 0) + 1
             elif event.finish_reason is FinishReason.ABORTED and not group.is_beam:
-                # A structured output the worker sampled past (Scheduler._apply).
-                stream.fail(Aborted("the structured output's grammar allows no token the model can sample here"))
+                # A structured output the worker sampled past (Scheduler._apply), or one whose
+                # masks grew too slow for a step (its grammar says so: RESOURCE_EXHAUSTED).
+                failure = event.seq.grammar.failure if event.seq.grammar is not None else None
+                stream.fail(
+                    failure or Aborted("the structured output's grammar allows no token the model can sample here")
+                )
             touched[stream.request_id] = stream
         for name, tokens in by_adapter.items():
             self.metrics.adapter_tokens(name).inc(tokens)

@@ -18,6 +18,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from common.errors import InvalidArgument
 
+# A conversation: (role, content) pairs.
+Messages = tuple[tuple[str, str], ...]
+
 
 def _raise(message: str) -> None:
     raise TemplateError(message)

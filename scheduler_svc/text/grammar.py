@@ -1,35 +1,51 @@
 """Grammars for structured outputs: compiled once per text, one matcher per sequence.
 
 xgrammar does the work: `GrammarCompiler` turns a StructuredOutput into a compiled grammar
-against the model's tokenizer (cached by its text), `Grammar` is one sequence's matcher, and
-`fill_masks` writes the packed token bitmasks of a step's constrained rows (int32
-[rows, ceil(vocab / 32)], bit j of word w allows token 32 w + j), which the plan carries to
-the worker.
+against the model's tokenizer, once a child process (which a timeout or a cancel kills) has
+compiled it first (`grammar_process`), and keeps it in a cache bounded in bytes
+(`grammar_cache`); `Grammar` is one sequence's matcher, and `fill_masks` writes the packed
+token bitmasks of a step's constrained rows (int32 [rows, ceil(vocab / 32)], bit j of word w
+allows token 32 w + j), which the plan carries to the worker.
 
 xgrammar's Python package imports torch and transformers, which the scheduler's own modules
 never do (tests/test_layout.py), so it is imported on the first constrained request only, in
 the thread that compiles it; a scheduler that serves none never loads it.
+
+A step waits for its masks, so one grammar whose masks are slow would slow every sequence of
+its worker group: a mask may take MASK_BUDGET_S. A grammar whose first mask takes longer is
+refused when it compiles (RESOURCE_EXHAUSTED); one that grows slower as it goes (ambiguous
+grammars do: `([a-z]{0,1000}){0,1000}` takes 15 ms more per token) is ended at the first step
+over the budget, its next token refused.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import asyncio
+import contextlib
 import os
 import re
 import threading
-from pathlib import Path
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from common.errors import InvalidArgument, Unimplemented
-from scheduler_svc.text.structured_output import StructuredOutput, choice_grammar
+from common.config import RequestLimits
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from scheduler_svc.text.grammar_cache import GrammarCache
+from scheduler_svc.text.grammar_process import CompilerGone, CompilerProcess, CompileTimeout, compile_with
+from scheduler_svc.text.input_limits import DEFAULT_LIMITS
+from scheduler_svc.text.structured_output import StructuredOutput
 
-# Grammars kept compiled; a compiled JSON schema is tens of KB.
-_CACHE_SIZE = 256
+# Seconds one grammar's token mask may take in a step (a decode step of a small model on CPU
+# takes 20-50 ms; a normal JSON schema's mask 0.01-1 ms).
+MASK_BUDGET_S = 0.05
+# A compiled grammar may take this share of the cache's bytes at most (--grammar-cache-mb / 8).
+GRAMMAR_CACHE_SHARE = 8
 # Where xgrammar's messages say they were raised: "[07:06:16] /project/cpp/regex_converter.cc:83: ".
 _SOURCE_PREFIX = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
+_MAX_REASON = 500  # characters of the compiler's reason a refusal quotes
 
 
 class GrammarCompiler:
@@ -41,34 +57,90 @@ class GrammarCompiler:
         # JSON allows any amount of whitespace between tokens; a model that starts emitting it
         # may never stop (a random-weight one surely does not), so runs of it are bounded.
         self.max_whitespace = max_whitespace
-        self._compiler: Any = None
-        self._batch: Any = None  # fills the masks of many matchers at once
+        self.cache = GrammarCache()
+        self._compiler: Any = None  # xgrammar's, in this process
+        self._filler: _MaskFiller | None = None
+        self._process: CompilerProcess | None = None
         self._lock = threading.Lock()
-        self._cached = functools.lru_cache(maxsize=_CACHE_SIZE)(self._compile)
+        # Compiles wait their turn here, off the event loop (a queued one that is cancelled
+        # never starts), and run below the event loop's priority, as the child does.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile", initializer=_lower_priority)
 
-    def compile(self, spec: StructuredOutput) -> Any:
+    def compile(self, spec: StructuredOutput, limits: RequestLimits = DEFAULT_LIMITS, ticket: object = None) -> Any:
         """The compiled grammar; InvalidArgument with the compiler's reason when the schema,
-        regex or grammar is not valid. Slow the first time (xgrammar and the tokenizer's
-        vocabulary load): call it from a thread, not the event loop."""
-        self._xgrammar_compiler()  # outside the try: a failure to set up is not the client's
+        regex or grammar is not valid, ResourceExhausted past limits.grammar_compile_timeout.
+        Blocks (seconds the first time, while xgrammar loads): call it from a thread."""
+        process = self._setup()  # outside the refusals: a failure to set up is not the client's
+        compiled = self.cache.get(spec.digest)
+        if compiled is not None:
+            return compiled
+        where = f"{spec.field}.{spec.kind}"
+        timeout = limits.grammar_compile_timeout
+        max_bytes = limits.grammar_cache_bytes // GRAMMAR_CACHE_SHARE
+        request = (spec.kind, spec.text, list(spec.choices), self.max_whitespace, max_bytes)
         try:
-            return self._cached(spec.key)
+            reply = process.compile(request, timeout, ticket if ticket is not None else object())
+        except CompileTimeout:
+            raise ResourceExhausted(
+                f"{where}: grammar compile took longer than {timeout:g} s; raise --grammar-compile-timeout"
+            ) from None
+        except CompilerGone as error:
+            raise ResourceExhausted(f"{where}: compiling it ended the compiler: {error}") from None
+        if reply[0] == "invalid":
+            raise _invalid(where, reply[1])
+        if reply[0] == "too_big":
+            raise ResourceExhausted(
+                f"{where}: compiled, it takes {reply[1] / 2**20:.0f} MiB, over 1/{GRAMMAR_CACHE_SHARE} of "
+                f"--grammar-cache-mb ({limits.grammar_cache_bytes / 2**20:.0f} MiB)"
+            )
+        if reply[1] > MASK_BUDGET_S:
+            raise ResourceExhausted(
+                f"{where}: its token masks take {reply[1] * 1e3:.0f} ms, over the "
+                f"{MASK_BUDGET_S * 1e3:.0f} ms a step may spend on one"
+            )
+        # The child compiled this text within the timeout: the same compile here ends as soon.
+        try:
+            compiled = compile_with(self._compiler, spec.kind, spec.text, list(spec.choices), self.max_whitespace)
         except (RuntimeError, ValueError, TypeError) as error:
-            # xgrammar reports a bad schema, regex or grammar as one of these, with its reason
-            # after a "[time] source.cc:line: " prefix that is no business of the client's.
-            reason = _SOURCE_PREFIX.sub("", str(error)).strip()
-            raise InvalidArgument(f"{spec.field}.{spec.kind}", f"cannot be compiled: {reason}") from error
+            raise _invalid(where, str(error)) from error
+        self.cache.put(spec.digest, compiled, int(compiled.memory_size_bytes), limits.grammar_cache_bytes)
+        return compiled
 
-    def grammar(self, spec: StructuredOutput) -> Grammar:
-        """A fresh matcher for one sequence (compiling the grammar if it is new)."""
-        compiled = self.compile(spec)  # first: it says so when xgrammar is missing
+    def grammar(self, spec: StructuredOutput, limits: RequestLimits = DEFAULT_LIMITS, ticket: object = None) -> Grammar:
+        """A fresh matcher for one sequence (compiling the grammar if it is new); blocks."""
+        return self._matcher(self.compile(spec, limits, ticket))  # first: it says when xgrammar is missing
+
+    async def grammar_off_loop(self, spec: StructuredOutput, limits: RequestLimits) -> Grammar:
+        """`grammar` in the compile thread, unless the cache has it: a compile in progress
+        delays no request for a grammar compiled before. A request cancelled while its
+        grammar compiles ends the compile (the child process is killed and replaced)."""
+        compiled = self.cache.get(spec.digest)
+        if compiled is not None:
+            return self._matcher(compiled)
+        ticket = object()
+        job = asyncio.get_running_loop().run_in_executor(self._pool, self.grammar, spec, limits, ticket)
+        try:
+            return await job
+        except asyncio.CancelledError:
+            if self._process is not None:
+                self._process.cancel(ticket)
+            raise
+
+    def _matcher(self, compiled: Any) -> Grammar:
         import xgrammar
 
-        return Grammar(xgrammar.GrammarMatcher(compiled), self._batch, self.words)
+        assert self._filler is not None  # set up with the compiler
+        return Grammar(xgrammar.GrammarMatcher(compiled), self._filler, self.words)
 
-    def _xgrammar_compiler(self) -> Any:
+    def close(self) -> None:
+        """End the compiler's process (it also ends with this object, or the scheduler)."""
+        if self._process is not None:
+            self._process.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _setup(self) -> CompilerProcess:
         with self._lock:
-            if self._compiler is None:
+            if self._process is None:
                 try:
                     import xgrammar
                     from transformers import PreTrainedTokenizerFast
@@ -79,49 +151,46 @@ class GrammarCompiler:
                         "structured outputs need (the slim scheduler image leaves out xgrammar and torch; "
                         "run the scheduler from the worker image to serve them)"
                     ) from error
-
-                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(self.model_dir) / "tokenizer.json"))
+                # The scheduler's event loop, its gRPC threads and often a worker share the
+                # cores: half of them compile and fill masks (one thread here was faster than
+                # two on two cores, benchmarks/structured_output_bench.py).
+                threads = max(1, len(os.sched_getaffinity(0)) // 2)
+                setup = {
+                    "model_dir": self.model_dir,
+                    "vocab_size": self.vocab_size,
+                    "stop_token_ids": self.stop_token_ids,
+                    "threads": threads,
+                }
+                try:
+                    process = CompilerProcess(setup)  # it loads while this process does
+                except OSError as error:
+                    raise Unavailable(f"structured_output: the grammar compiler cannot start: {error}") from error
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(self.model_dir, "tokenizer.json"))
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                 )
-                # The scheduler's event loop, its gRPC threads and often a worker share the
-                # cores: half of them fill masks (one thread here was faster than two on two
-                # cores, benchmarks/structured_output_bench.py).
-                threads = max(1, len(os.sched_getaffinity(0)) // 2)
-                self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
                 # Its own cache never forgets (a client sending a new schema per request would
                 # grow the scheduler without bound): the bounded one here serves instead.
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-            return self._compiler
-
-    def _compile(self, key: tuple[str, str, tuple[str, ...]]) -> Any:
-        kind, text, choices = key
-        compiler = self._xgrammar_compiler()
-        if kind == "json_schema":
-            return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=self.max_whitespace)
-        if kind == "json_object":
-            return compiler.compile_json_schema(
-                json.dumps({"type": "object"}), any_whitespace=True, max_whitespace_cnt=self.max_whitespace
-            )
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(choices))
-        return compiler.compile_grammar(text)
+                self._filler = _MaskFiller(xgrammar.BatchGrammarMatcher(max_threads=threads))
+                self._process = process
+            return self._process
 
 
 class Grammar:
     """One sequence's place in its grammar. Forks copy it; preemption and moving the sequence
     to another worker group keep it, since it lives with the sequence."""
 
-    def __init__(self, matcher: Any, batch: Any, words: int) -> None:
+    def __init__(self, matcher: Any, filler: _MaskFiller, words: int) -> None:
         self._matcher = matcher
-        self._batch = batch
+        self._filler = filler
         self.words = words  # of its masks: ceil(vocab_size / 32)
+        # Why the sequence cannot go on (its masks grew too slow): its next token is refused.
+        self.failure: ResourceExhausted | None = None
 
     def accept(self, token: int) -> bool:
-        """Advance past a sampled token; False if the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token))
+        """Advance past a sampled token; False if the grammar does not allow it, or failed."""
+        return self.failure is None and bool(self._matcher.accept_token(token))
 
     @property
     def terminated(self) -> bool:
@@ -129,14 +198,73 @@ class Grammar:
         return bool(self._matcher.is_terminated())
 
     def fork(self) -> Grammar:
-        return Grammar(self._matcher.fork(), self._batch, self.words)
+        return Grammar(self._matcher.fork(), self._filler, self.words)
+
+
+class _MaskFiller:
+    """Fills a step's masks, and finds the grammars over the budget.
+
+    Timing each row would cost twice the batch call (0.68 ms against 0.29 ms for 256 rows of
+    a JSON schema) and give up xgrammar's threads where it has several, so the batch is timed. Over the budget, each row is filled
+    again on its own (the matchers have not moved: the masks come out the same) and timed in
+    CPU seconds of this thread, which a busy machine does not stretch as it does the wall
+    clock; the rows over the budget fail. A batch over the budget with no row over it is load,
+    not one grammar: the rows are timed again only once a batch takes twice as long."""
+
+    def __init__(self, batch: Any) -> None:
+        self._batch = batch
+        self._quiet_below = MASK_BUDGET_S
+
+    def fill(self, grammars: list[Grammar], masks: np.ndarray) -> None:
+        start = time.perf_counter()
+        self._batch.batch_fill_next_token_bitmask([g._matcher for g in grammars], masks)
+        took = time.perf_counter() - start
+        if took <= MASK_BUDGET_S:
+            self._quiet_below = MASK_BUDGET_S
+            return
+        if took <= self._quiet_below:
+            return
+        slow = self._fail_slow(grammars, [self._fill_one(g, masks, i) for i, g in enumerate(grammars)])
+        self._quiet_below = MASK_BUDGET_S if slow else 2 * took
+
+    @staticmethod
+    def _fail_slow(grammars: list[Grammar], seconds: list[float]) -> bool:
+        """Fail the grammars whose mask took over the budget; whether there were any."""
+        slow = False
+        for grammar, took in zip(grammars, seconds, strict=True):
+            if took > MASK_BUDGET_S:
+                slow = True
+                grammar.failure = ResourceExhausted(
+                    f"structured_output: its token masks grew to {took * 1e3:.0f} ms a step, over the "
+                    f"{MASK_BUDGET_S * 1e3:.0f} ms a step may spend on one"
+                )
+        return slow
+
+    @staticmethod
+    def _fill_one(grammar: Grammar, masks: np.ndarray, row: int) -> float:
+        start = time.thread_time()
+        grammar._matcher.fill_next_token_bitmask(masks, row)
+        return time.thread_time() - start
 
 
 def fill_masks(grammars: list[Grammar]) -> np.ndarray:
     """int32 [len(grammars), words]: the tokens each grammar allows next (xgrammar's threads
-    fill the rows in parallel). The grammars come from one compiler."""
+    fill the rows in parallel). The grammars come from one compiler. A grammar whose mask
+    took more than MASK_BUDGET_S gets its `failure`."""
     if not grammars:
         return np.zeros((0, 0), np.int32)
     masks = np.full((len(grammars), grammars[0].words), -1, np.int32)
-    grammars[0]._batch.batch_fill_next_token_bitmask([g._matcher for g in grammars], masks)
+    grammars[0]._filler.fill(grammars, masks)
     return masks
+
+
+def _invalid(where: str, message: str) -> InvalidArgument:
+    # xgrammar gives its reason after a "[time] source.cc:line: " prefix that is no business
+    # of the client's.
+    return InvalidArgument(where, f"cannot be compiled: {_SOURCE_PREFIX.sub('', message).strip()[:_MAX_REASON]}")
+
+
+def _lower_priority() -> None:
+    """The compile thread at nice 10 (Linux sets it per thread; xgrammar's threads inherit it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
