@@ -18,7 +18,8 @@
 #   CPU worker (`--device cpu`).
 #
 # Both run as the unprivileged user `llmserve` (uid 1000) with LLMSERVE_CACHE=/cache; /cache
-# belongs to that user, so a named volume mounted there starts out writable by it.
+# and /secrets (where compose.yaml keeps the worker token) belong to that user, so a named
+# volume mounted at either starts out writable by it.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -29,8 +30,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LLMSERVE_CACHE=/cache
 RUN useradd --create-home --uid 1000 llmserve \
-    && mkdir -p /cache \
-    && chown llmserve:llmserve /cache
+    && mkdir -p /cache /secrets \
+    && chown llmserve:llmserve /cache /secrets \
+    && chmod 0700 /secrets
 WORKDIR /src
 # Only what the requirements are read from: the dependency layer is rebuilt when they
 # change, not when the source does.

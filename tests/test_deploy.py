@@ -8,10 +8,13 @@ deploy/kubernetes/. No Docker engine or cluster is needed.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.config import AuthConfig
 from llmserve.cli import configs
 from llmserve.cli.parser import build_parser
 from llmserve.gateway import GatewayConfig, smg_command
@@ -50,6 +54,7 @@ GPU_WORKERS = ("worker-0", "worker-1")
 WORKERS = (*GPU_WORKERS, "worker-cpu")
 LONG_RUNNING = ("scheduler", *WORKERS)
 MODEL_VOLUME = "llmserve-models"
+TOKEN_VOLUME = "llmserve-worker-token"
 
 
 def flag(command: list[str], name: str) -> str:
@@ -71,7 +76,7 @@ def service_port(name: str) -> int:
 
 
 def test_compose_has_the_scheduler_two_gpu_workers_a_gateway_and_a_cpu_profile() -> None:
-    assert set(SERVICES) == {"model-prep", "scheduler", "gateway", *WORKERS}
+    assert set(SERVICES) == {"model-prep", "worker-token", "scheduler", "gateway", *WORKERS}
     assert SERVICES["worker-cpu"]["profiles"] == ["cpu"]
     # Everything else starts with a plain `docker compose up`: the GPU setup is the default.
     assert [name for name, svc in SERVICES.items() if "profiles" in svc] == ["worker-cpu"]
@@ -104,7 +109,11 @@ def test_the_cpu_worker_reserves_no_gpu() -> None:
 
 
 def test_workers_register_with_the_scheduler_under_their_own_service_name() -> None:
-    scheduler_address = f"scheduler:{service_port('scheduler')}"
+    # On the scheduler's registry port, which is not published.
+    registry_port = int(flag(SERVICES["scheduler"]["command"], "--registry-port"))
+    assert flag(SERVICES["scheduler"]["command"], "--registry-host") == "0.0.0.0"
+    assert registry_port not in _published(SERVICES["scheduler"])
+    scheduler_address = f"scheduler:{registry_port}"
     for name in WORKERS:
         command = SERVICES[name]["command"]
         assert flag(command, "--scheduler") == scheduler_address, name
@@ -166,12 +175,18 @@ def _published(service: dict[str, Any]) -> dict[int, str]:
 def test_compose_gateway_serves_http_in_front_of_the_scheduler() -> None:
     gateway = SERVICES["gateway"]
     config = _gateway_config(gateway["command"])
-    assert config.schedulers == (f"scheduler:{service_port('scheduler')}",)
+    # The scheduler's gateway port (smg sends no key), on the compose network only.
+    scheduler = SERVICES["scheduler"]["command"]
+    gateway_port = int(flag(scheduler, "--gateway-port"))
+    assert flag(scheduler, "--gateway-host") == "0.0.0.0"
+    assert gateway_port not in _published(SERVICES["scheduler"])
+    assert gateway_port not in {service_port("scheduler"), int(flag(scheduler, "--registry-port"))}
+    assert config.schedulers == (f"scheduler:{gateway_port}",)
     assert config.discovery is None and config.policy == "cache_aware"
     # Listening on every interface of its container, or the published ports reach nothing.
     assert config.host == "0.0.0.0"
     published = _published(gateway)
-    assert published[config.port] == "${LLMSERVE_HTTP_PORT:-8000}"
+    assert published[config.port] == "${LLMSERVE_BIND:-127.0.0.1}:${LLMSERVE_HTTP_PORT:-8000}"
     # Metrics on loopback only, like the scheduler's.
     assert published[config.metrics_port] == "127.0.0.1:${LLMSERVE_HTTP_METRICS_PORT:-9092}"
     assert config.metrics_port not in {int(p.rsplit(":", 1)[1]) for p in SERVICES["scheduler"]["ports"]}
@@ -183,7 +198,84 @@ def test_compose_gateway_serves_http_in_front_of_the_scheduler() -> None:
     # smg keeps listening 5 s after SIGTERM, then drains for --drain-timeout.
     grace = int(gateway["stop_grace_period"].removesuffix("s"))
     assert grace > 5 + config.shutdown_grace
-    assert smg_command(config, "smg")[smg_command(config, "smg").index("--worker-urls") + 1] == "grpc://scheduler:50051"
+    assert smg_command(config, "smg")[smg_command(config, "smg").index("--worker-urls") + 1] == "grpc://scheduler:50054"
+
+
+# ---- compose.yaml: who can reach what ----
+
+LOOPBACK_BY_DEFAULT = "${LLMSERVE_BIND:-127.0.0.1}"
+# "HOST_IP:HOST_PORT:PORT" with the host IP loopback, or LLMSERVE_BIND defaulting to it. A bare
+# "HOST_PORT:PORT" would publish on every interface of the host.
+_LOOPBACK_ENTRY = re.compile(r"(127\.0\.0\.1|\$\{LLMSERVE_BIND:-127\.0\.0\.1\}):(\d+|\$\{\w+:-\d+\}):\d+")
+
+
+def test_compose_publishes_on_the_hosts_loopback_unless_told_otherwise() -> None:
+    published = 0
+    for name, service in SERVICES.items():
+        for entry in service.get("ports", []):
+            published += 1
+            assert _LOOPBACK_ENTRY.fullmatch(entry), (name, entry)
+    assert published == 4
+    # The APIs follow LLMSERVE_BIND; metrics stay on loopback whatever it says.
+    assert _published(SERVICES["scheduler"])[service_port("scheduler")].startswith(LOOPBACK_BY_DEFAULT + ":")
+    assert _published(SERVICES["scheduler"])[9090].startswith("127.0.0.1:")
+    assert _published(SERVICES["gateway"])[9092].startswith("127.0.0.1:")
+
+
+def test_compose_wires_one_worker_token_to_the_scheduler_and_every_worker() -> None:
+    assert TOKEN_VOLUME in COMPOSE["volumes"]
+    token_file = COMPOSE["x-worker-token"]
+    mount = str(Path(token_file).parent)
+    writer = SERVICES["worker-token"]
+    assert writer["volumes"] == [f"{TOKEN_VOLUME}:{mount}"]  # the only one that may write it
+    assert writer["environment"]["TOKEN_FILE"] == token_file
+    assert writer["restart"] == "no" and "ports" not in writer
+    for name in LONG_RUNNING:
+        service = SERVICES[name]
+        assert f"{TOKEN_VOLUME}:{mount}:ro" in service["volumes"], name
+        assert flag(service["command"], "--worker-token-file") == token_file, name
+        assert service["depends_on"]["worker-token"] == {"condition": "service_completed_successfully"}, name
+        # Never on the command line or in the environment, where `ps` and `docker inspect` show it.
+        assert "LLMSERVE_WORKER_TOKEN" not in service.get("environment", {}), name
+    # The gateway speaks only to the gateway port: it needs no token.
+    assert "volumes" not in SERVICES["gateway"]
+    # The images' user must own the mount point, or a fresh volume is root's and unwritable.
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(rf"mkdir -p [^\n]*{mount}\b", dockerfile)
+    assert re.search(rf"chown llmserve:llmserve [^\n]*{mount}\b", dockerfile)
+
+
+def test_compose_worker_token_script_writes_a_usable_token_once(tmp_path: Path) -> None:
+    (script,) = SERVICES["worker-token"]["command"]
+    assert SERVICES["worker-token"]["entrypoint"] == ["python", "-c"]
+    token_file = tmp_path / "worker-token"
+    env = {**os.environ, "TOKEN_FILE": str(token_file)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, timeout=30)
+    token = configs.worker_token(argparse.Namespace(worker_token_file=str(token_file)))
+    assert token is not None and len(token) >= 32
+    AuthConfig(worker_token=token)  # what the scheduler and the workers accept
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o400
+    # A restart keeps the token: workers already running hold the same one.
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, timeout=30)
+    assert token_file.read_text() == token
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-token"]
+    # Another volume, another token.
+    other = tmp_path / "other" / "worker-token"
+    other.parent.mkdir()
+    subprocess.run([sys.executable, "-c", script], env={**env, "TOKEN_FILE": str(other)}, check=True, timeout=30)
+    assert other.read_text() != token
+
+
+def test_compose_api_keys_come_from_the_environment_only() -> None:
+    scheduler = SERVICES["scheduler"]["environment"]
+    assert scheduler["LLMSERVE_API_KEY"] == "${LLMSERVE_API_KEY:-}"
+    assert scheduler["LLMSERVE_ADMIN_API_KEY"] == "${LLMSERVE_ADMIN_API_KEY:-}"
+    # The gateway asks HTTP clients for the same keys.
+    assert SERVICES["gateway"]["environment"] == scheduler
+    for name in WORKERS:
+        assert "LLMSERVE_API_KEY" not in SERVICES[name]["environment"], name
+    text = (REPO / "compose.yaml").read_text()
+    assert "--api-key" not in text  # keys never on a command line
 
 
 def test_the_scheduler_image_has_the_gateway() -> None:
@@ -286,9 +378,9 @@ def test_docker_compose_config_accepts_the_file(profiles: tuple[str, ...]) -> No
 @needs_compose
 def test_docker_compose_starts_the_gpu_workers_by_default_and_the_cpu_worker_with_its_profile() -> None:
     default = compose_check.run_compose(["config", "--services"]).split()
-    assert sorted(default) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1"]
+    assert sorted(default) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1", "worker-token"]
     cpu = compose_check.run_compose(["config", "--services"], profiles=("cpu",)).split()
-    assert sorted(cpu) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1", "worker-cpu"]
+    assert sorted(cpu) == ["gateway", "model-prep", "scheduler", "worker-0", "worker-1", "worker-cpu", "worker-token"]
 
 
 @needs_compose
@@ -307,6 +399,69 @@ def test_docker_compose_resolves_anchors_and_the_model_variable(monkeypatch: pyt
         assert services[name]["depends_on"]["scheduler"]["condition"] == "service_started", name
     assert services["model-prep"]["environment"]["MODEL_DIR"] == "/cache/models/Other-Model"
     assert "/readiness" in " ".join(services["gateway"]["healthcheck"]["test"])
+
+
+def _resolved(monkeypatch: pytest.MonkeyPatch, **env: str) -> dict[str, Any]:
+    """The services as Docker Compose resolves them with exactly these variables set."""
+    for name in ("LLMSERVE_BIND", "LLMSERVE_API_KEY", "LLMSERVE_ADMIN_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    services: dict[str, Any] = json.loads(compose_check.run_compose(["config", "--format", "json"], profiles=("cpu",)))[
+        "services"
+    ]
+    return services
+
+
+def _host_ips(service: dict[str, Any]) -> dict[int, str]:
+    return {int(p["target"]): p["host_ip"] for p in service.get("ports", [])}
+
+
+@needs_compose
+def test_docker_compose_binds_published_ports_to_loopback_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = _resolved(monkeypatch)
+    published = {name: _host_ips(service) for name, service in services.items() if service.get("ports")}
+    assert published == {
+        "scheduler": {50051: "127.0.0.1", 9090: "127.0.0.1"},
+        "gateway": {8000: "127.0.0.1", 9092: "127.0.0.1"},
+    }
+    # Told otherwise, the APIs move and the metrics stay.
+    services = _resolved(monkeypatch, LLMSERVE_BIND="0.0.0.0")
+    assert _host_ips(services["scheduler"]) == {50051: "0.0.0.0", 9090: "127.0.0.1"}
+    assert _host_ips(services["gateway"]) == {8000: "0.0.0.0", 9092: "127.0.0.1"}
+
+
+@needs_compose
+def test_docker_compose_passes_api_keys_to_the_scheduler_and_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    token = "t" * 43
+    # Unset: empty, which the scheduler reads as no keys.
+    services = _resolved(monkeypatch)
+    parsed = build_parser().parse_args(services["scheduler"]["command"])
+    monkeypatch.setenv("LLMSERVE_API_KEY", services["scheduler"]["environment"]["LLMSERVE_API_KEY"])
+    monkeypatch.setenv("LLMSERVE_ADMIN_API_KEY", services["scheduler"]["environment"]["LLMSERVE_ADMIN_API_KEY"])
+    assert not configs.auth_config(parsed, token).clients_authenticated
+    # Set: the scheduler asks for them, as the code reads them from its environment.
+    services = _resolved(
+        monkeypatch, LLMSERVE_API_KEY="client-key-1,client-key-2", LLMSERVE_ADMIN_API_KEY="admin-key-1"
+    )
+    assert services["gateway"]["environment"]["LLMSERVE_API_KEY"] == "client-key-1,client-key-2"
+    for name in WORKERS:
+        assert "LLMSERVE_API_KEY" not in services[name]["environment"], name
+    scheduler_env = services["scheduler"]["environment"]
+    monkeypatch.setenv("LLMSERVE_API_KEY", scheduler_env["LLMSERVE_API_KEY"])
+    monkeypatch.setenv("LLMSERVE_ADMIN_API_KEY", scheduler_env["LLMSERVE_ADMIN_API_KEY"])
+    auth = configs.auth_config(build_parser().parse_args(services["scheduler"]["command"]), token)
+    assert auth.api_keys == ("client-key-1", "client-key-2") and auth.admin_keys == ("admin-key-1",)
+    assert services["gateway"]["environment"] == scheduler_env
+    # The gateway, from the same environment, asks HTTP callers for them.
+    http_keys = _gateway_config(services["gateway"]["command"]).api_keys
+    assert {"client-key-1", "client-key-2"} <= set(http_keys)
+    # The token volume, resolved: read-only everywhere but in the one-shot that writes it.
+    for name in ("scheduler", *WORKERS):
+        (mount,) = [v for v in services[name]["volumes"] if v["source"] == TOKEN_VOLUME]
+        assert mount["read_only"] is True, name
+    (mount,) = services["worker-token"]["volumes"]
+    assert mount["source"] == TOKEN_VOLUME and not mount.get("read_only")
 
 
 @needs_compose
@@ -492,8 +647,14 @@ def test_k8s_workers_register_with_the_scheduler_service_under_their_pod_dns_nam
     statefulset = K8S[("StatefulSet", "llmserve-worker")]
     worker = _container(statefulset, "worker")
     service = K8S[("Service", "llmserve-scheduler")]
-    scheduler_port = int(flag(_container(K8S[("Deployment", "llmserve-scheduler")], "scheduler")["args"], "--port"))
-    assert flag(worker["args"], "--scheduler") == f"{service['metadata']['name']}:{scheduler_port}"
+    scheduler = _container(K8S[("Deployment", "llmserve-scheduler")], "scheduler")
+    # The registry port, on the Service: the main port no longer serves Register.
+    registry_port = int(flag(scheduler["args"], "--registry-port"))
+    assert registry_port != int(flag(scheduler["args"], "--port"))
+    assert flag(scheduler["args"], "--registry-host") == "0.0.0.0"
+    (registry,) = [p for p in service["spec"]["ports"] if p["port"] == registry_port]
+    assert _container_port(scheduler, registry["targetPort"]) == registry_port
+    assert flag(worker["args"], "--scheduler") == f"{service['metadata']['name']}:{registry_port}"
     # The pod's stable name under the headless Service, filled in from the downward API.
     headless = statefulset["spec"]["serviceName"]
     assert flag(worker["args"], "--advertise") == f"$(POD_NAME).{headless}:50052"
@@ -533,7 +694,15 @@ def test_k8s_gateway_discovers_the_scheduler_pods_on_their_grpc_port() -> None:
     assert selector.items() <= scheduler_labels.items()
     for other in (deployment, K8S[("StatefulSet", "llmserve-worker")]):
         assert not selector.items() <= _pod_selected(other).items()
-    assert config.discovery.port == int(flag(_container(scheduler_deployment, "scheduler")["args"], "--port"))
+    # The scheduler's gateway port, which smg dials without credentials; not on the Service,
+    # since smg dials the pods.
+    scheduler_args = _container(scheduler_deployment, "scheduler")["args"]
+    gateway_port = int(flag(scheduler_args, "--gateway-port"))
+    assert gateway_port not in {int(flag(scheduler_args, "--port")), int(flag(scheduler_args, "--registry-port"))}
+    assert flag(scheduler_args, "--gateway-host") == "0.0.0.0"
+    assert config.discovery.port == gateway_port
+    assert _container_port(_container(scheduler_deployment, "scheduler"), gateway_port) == gateway_port
+    assert gateway_port not in [p["port"] for p in K8S[("Service", "llmserve-scheduler")]["spec"]["ports"]]
     # Its own namespace, from the downward API: the Role below covers that one only.
     assert config.discovery.namespace == "$(POD_NAMESPACE)"
     (namespace,) = [e for e in gateway["env"] if e["name"] == "POD_NAMESPACE"]
@@ -588,3 +757,232 @@ def test_k8s_kustomization_lists_every_manifest() -> None:
         + doc["spec"]["template"]["spec"].get("initContainers", [])
     }
     assert used == images == {"llmserve-scheduler", "llmserve-worker"}
+
+
+WORKLOADS = {
+    "scheduler": (("Deployment", "llmserve-scheduler"), "scheduler"),
+    "worker": (("StatefulSet", "llmserve-worker"), "worker"),
+    "gateway": (("Deployment", "llmserve-gateway"), "gateway"),
+}
+
+
+def _workload(component: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    key, name = WORKLOADS[component]
+    return K8S[key], _container(K8S[key], name)
+
+
+def _probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in container}
+
+
+def test_k8s_every_probe_has_a_deadline() -> None:
+    seen = 0
+    for component in WORKLOADS:
+        _, container = _workload(component)
+        probes = _probes(container)
+        assert "readinessProbe" in probes and "livenessProbe" in probes, component
+        for kind, probe in probes.items():
+            seen += 1
+            # Without one a probe waits the default second; a wedged server must fail it, not hang it.
+            assert 1 <= probe.get("timeoutSeconds", 0) < probe.get("periodSeconds", 10), (component, kind)
+    assert seen == 7
+
+
+# ---- Kubernetes: secrets ----
+
+WORKER_TOKEN_SECRET = "llmserve-worker-token"
+API_KEYS_SECRET = "llmserve-api-keys"
+
+
+def _secret_file(workload: dict[str, Any], container: dict[str, Any], secret: str) -> str:
+    """The path at which `container` sees `secret`, mounted from a volume (checked read-only)."""
+    pod = workload["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret]
+    assert not volume["secret"].get("optional", False)  # a pod without it would run unauthenticated
+    (item,) = volume["secret"]["items"]
+    # Readable by the pod's group (fsGroup), never by others.
+    assert volume["secret"]["defaultMode"] & 0o007 == 0
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    return f"{mount['mountPath']}/{item['path']}"
+
+
+def _secret_env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def test_k8s_scheduler_and_workers_read_the_worker_token_from_its_secret() -> None:
+    for component in ("scheduler", "worker"):
+        workload, container = _workload(component)
+        path = _secret_file(workload, container, WORKER_TOKEN_SECRET)
+        assert flag(container["args"], "--worker-token-file") == path, component
+        assert "LLMSERVE_WORKER_TOKEN" not in {e["name"] for e in container.get("env", [])}, component
+    workload, _ = _workload("gateway")
+    assert not [v for v in workload["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
+
+
+def test_k8s_api_keys_come_from_an_optional_secret() -> None:
+    expected = {
+        "scheduler": {"LLMSERVE_API_KEY": "api-keys", "LLMSERVE_ADMIN_API_KEY": "admin-api-keys"},
+        "gateway": {"LLMSERVE_API_KEY": "api-keys", "LLMSERVE_ADMIN_API_KEY": "admin-api-keys"},
+        "worker": {},
+    }
+    for component, variables in expected.items():
+        refs = _secret_env(_workload(component)[1])
+        assert {name: ref["key"] for name, ref in refs.items()} == variables, component
+        for ref in refs.values():
+            # The product runs without keys; the pod must start without the Secret.
+            assert ref["name"] == API_KEYS_SECRET and ref["optional"] is True, component
+
+
+def test_k8s_commits_no_secret_and_documents_creating_each_one() -> None:
+    assert not [key for key in K8S if key[0] == "Secret"]
+    names = set()
+    for doc in K8S.values():
+        if "template" not in doc.get("spec", {}):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        names |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            names |= {ref["name"] for ref in _secret_env(container).values()}
+            for env in container.get("env", []):
+                literal = any(word in env["name"] for word in ("KEY", "TOKEN", "SECRET"))
+                assert not (literal and "value" in env), (container["name"], env["name"])
+    assert names == {WORKER_TOKEN_SECRET, API_KEYS_SECRET}
+    readme = (K8S_DIR / "README.md").read_text()
+    for name in names:
+        assert f"kubectl create secret generic {name}" in readme, name
+    assert "--from-literal=token=" in readme
+    assert "--from-literal=api-keys=" in readme and "--from-literal=admin-api-keys=" in readme
+
+
+# ---- Kubernetes: network policies ----
+
+ANYONE = "anyone"
+METRICS_SCRAPERS = ("namespace", (("llmserve.io/scrape-metrics", "true"),))
+
+
+def _policies() -> list[dict[str, Any]]:
+    return [doc for key, doc in K8S.items() if key[0] == "NetworkPolicy"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what _selects understands
+    return bool(selector.get("matchLabels", {}).items() <= labels.items())
+
+
+def _peer(peer: dict[str, Any]) -> Any:
+    """A `from` entry as the components it admits, or the namespaces' labels."""
+    if "namespaceSelector" in peer:
+        assert "podSelector" not in peer, peer
+        return ("namespace", tuple(sorted(peer["namespaceSelector"]["matchLabels"].items())))
+    (key,) = peer
+    assert key == "podSelector", peer  # pods of this namespace; no ipBlock
+    admitted = [c for c in WORKLOADS if _selects(peer["podSelector"], _pod_selected(_workload(c)[0]))]
+    assert len(admitted) == 1, peer
+    return admitted[0]
+
+
+def _admitted(component: str) -> dict[int, set[Any]]:
+    """Port -> who may connect to it, over every policy that selects the component's pods."""
+    labels = _pod_selected(_workload(component)[0])
+    admitted: dict[int, set[Any]] = {}
+    for policy in _policies():
+        spec = policy["spec"]
+        if not _selects(spec["podSelector"], labels):
+            continue
+        assert spec["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+        for rule in spec.get("ingress", []):
+            # A rule without ports admits every port.
+            assert rule["ports"], policy["metadata"]["name"]
+            sources = {_peer(peer) for peer in rule["from"]} if "from" in rule else {ANYONE}
+            for port in rule["ports"]:
+                assert port.get("protocol", "TCP") == "TCP" and isinstance(port["port"], int), port
+                assert "endPort" not in port, port
+                admitted.setdefault(port["port"], set()).update(sources)
+    return admitted
+
+
+def test_k8s_every_llmserve_pod_is_under_a_deny_by_default_policy() -> None:
+    deny = [p for p in _policies() if "ingress" not in p["spec"]]
+    assert len(deny) == 1
+    (policy,) = deny
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for component in WORKLOADS:
+        assert _selects(policy["spec"]["podSelector"], _pod_selected(_workload(component)[0])), component
+
+
+def test_k8s_network_policies_admit_exactly_the_planes() -> None:
+    scheduler = _workload("scheduler")[1]["args"]
+    worker = _workload("worker")[1]["args"]
+    gateway = _gateway_config(_workload("gateway")[1]["args"])
+    assert _admitted("scheduler") == {
+        int(flag(scheduler, "--port")): {ANYONE},  # the client APIs (keys), health
+        int(flag(scheduler, "--gateway-port")): {"gateway"},  # callers there count as the gateway
+        int(flag(scheduler, "--registry-port")): {"worker"},  # registration (the worker token)
+        int(flag(scheduler, "--metrics-port")): {METRICS_SCRAPERS},
+    }
+    assert _admitted("worker") == {
+        port_of(flag(worker, "--listen")): {"scheduler"},  # Describe, Execute (the worker token)
+        int(flag(worker, "--metrics-port")): {METRICS_SCRAPERS},
+    }
+    assert _admitted("gateway") == {gateway.port: {ANYONE}, gateway.metrics_port: {METRICS_SCRAPERS}}
+
+
+def test_k8s_nothing_listens_on_every_interface_outside_a_policy() -> None:
+    for component in WORKLOADS:
+        workload, container = _workload(component)
+        args = container["args"]
+        hosts = [args[i + 1] for i, a in enumerate(args) if a.endswith("-host") or a == "--host"]
+        hosts += [flag(args, "--listen").rpartition(":")[0]] if "--listen" in args else []
+        assert "0.0.0.0" in hosts, component  # the case this test is about
+        # Plaintext: no TLS flags, so the policy is what guards every port the pod opens.
+        assert not [a for a in args if a.startswith("--tls")], component
+        served = {p["containerPort"] for p in container["ports"]}
+        assert set(_admitted(component)) == served, component
+
+
+def test_k8s_network_policy_test_catches_an_open_gateway_port() -> None:
+    # The checks above can fail: a policy that admits any pod to the gateway port is caught.
+    policy = K8S[("NetworkPolicy", "llmserve-scheduler")]
+    (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 50054]
+    saved = rule.pop("from")
+    try:
+        assert _admitted("scheduler")[50054] == {ANYONE}
+        with pytest.raises(AssertionError):
+            test_k8s_network_policies_admit_exactly_the_planes()
+    finally:
+        rule["from"] = saved
+    test_k8s_network_policies_admit_exactly_the_planes()
+
+
+# ---- both: the command lines are the CLI's ----
+
+
+def _deployed_schedulers() -> dict[str, list[str]]:
+    return {"compose": SERVICES["scheduler"]["command"], "kubernetes": _workload("scheduler")[1]["args"]}
+
+
+@pytest.mark.parametrize("where", ["compose", "kubernetes"])
+def test_the_deployed_scheduler_serves_three_ports_with_a_worker_token(where: str) -> None:
+    args = _deployed_schedulers()[where]
+    config = configs.server_config(build_parser().parse_args(args), worker_token="t" * 43)
+    # Every port on the container's interfaces (published or admitted by policy), all distinct.
+    assert (config.host, config.registry_host, config.gateway_host) == ("0.0.0.0",) * 3
+    assert len({config.port, config.registry_port, config.gateway_port, config.metrics_port}) == 4
+    assert config.registry_port and config.gateway_port
+    assert config.auth.worker_token is not None
+
+
+@pytest.mark.parametrize("where", ["compose", "kubernetes"])
+def test_the_deployed_workers_take_the_worker_token_from_a_file(where: str) -> None:
+    commands = (
+        [SERVICES[name]["command"] for name in WORKERS] if where == "compose" else [_workload("worker")[1]["args"]]
+    )
+    for command in commands:
+        parsed = build_parser().parse_args(command)
+        assert parsed.command == "worker" and parsed.worker_token_file, command
