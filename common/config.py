@@ -6,7 +6,7 @@ Built at the entry points (CLI, tests) and passed explicitly. Capacity discovere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -299,9 +299,10 @@ class AuthConfig:
     scheduler show each other: Register on the scheduler, Describe and Execute on a worker.
     """
 
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()
-    worker_token: str | None = None
+    # Kept out of repr: configs are logged and printed in tracebacks.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    worker_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for key in self.api_keys:

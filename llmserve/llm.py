@@ -237,6 +237,7 @@ class LLM:
             seed = self._seeds.getrandbits(63)
         return GenerationRequest(
             request_id=str(next(self._ids)),
+            privileged=True,  # the process that runs the engine is its operator
             prompt_token_ids=tuple(prompt_token_ids),
             temperature=p.temperature,
             top_p=p.top_p,

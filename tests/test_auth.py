@@ -189,3 +189,66 @@ def test_keys_come_from_flags_files_and_the_environment(tmp_path: Path, monkeypa
     assert configs.auth_config(a).worker_token is None
     with pytest.raises(ValueError, match="cannot read"):
         configs.auth_config(build_parser().parse_args(["scheduler", "--api-key-file", str(tmp_path / "missing")]))
+
+
+def test_client_keys_without_a_worker_token_close_the_worker_plane() -> None:
+    verdict = judge(AuthConfig(api_keys=(CLIENT_KEY,)), Role.WORKER, None)
+    assert verdict.caller is None and verdict.code is grpc.StatusCode.UNAUTHENTICATED
+    assert "--worker-token-file" in verdict.message
+
+
+def test_secrets_stay_out_of_reprs() -> None:
+    from common.config import ServerConfig
+
+    shown = repr(ServerConfig(auth=KEYS))
+    assert not [s for s in (CLIENT_KEY, OTHER_KEY, ADMIN_KEY, TOKEN) if s in shown]
+
+
+def test_only_the_health_check_stays_open_on_a_keyed_scheduler() -> None:
+    from scheduler_svc.api.roles import role_of
+    from worker_svc.service.server import role_of as worker_role_of
+
+    assert role_of("/grpc.health.v1.Health/Check") is Role.OPEN
+    # Long-lived streams anyone could hold open to fill the server's RPC slots.
+    assert role_of("/grpc.health.v1.Health/Watch") is Role.CLIENT
+    assert role_of("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") is Role.CLIENT
+    assert worker_role_of("/grpc.health.v1.Health/Check") is Role.OPEN
+    assert worker_role_of("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") is Role.WORKER
+
+
+async def test_a_refused_call_is_never_decoded_and_writing_handlers_still_stream() -> None:
+    decoded: list[bytes] = []
+
+    def decode(data: bytes) -> bytes:
+        decoded.append(data)
+        return data
+
+    async def writes(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        # The shape of grpc's own Health.Watch: a coroutine that writes its responses.
+        await context.write(auth.caller().name.encode())
+        await context.write(b"done")
+
+    handlers = {"Watch": grpc.unary_stream_rpc_method_handler(writes, request_deserializer=decode)}
+    server = grpc.aio.server(interceptors=[AuthInterceptor(KEYS, lambda m: Role.CLIENT)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.W", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            watch = channel.unary_stream("/t.W/Watch")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                _ = [r async for r in watch(b"x" * 1000)]
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED and decoded == []
+            replies = [r async for r in watch(b"y", metadata=auth.bearer_metadata(CLIENT_KEY))]
+            assert replies == [auth.key_name(CLIENT_KEY).encode(), b"done"] and decoded == [b"y"]
+    finally:
+        await server.stop(None)
+
+
+def test_a_key_variable_set_empty_is_a_mistake_not_no_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmserve.cli import configs
+    from llmserve.cli.parser import build_parser
+
+    monkeypatch.setenv("LLMSERVE_API_KEY", " , ")
+    with pytest.raises(ValueError, match="LLMSERVE_API_KEY is set but holds no key"):
+        configs.auth_config(build_parser().parse_args(["scheduler"]))

@@ -329,6 +329,12 @@ async def test_adapters_load_from_inside_the_root_only(
     assert (await load("rel", "b")).name == "rel"  # relative to the root
     listed = await stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md(KEY_A))
     assert [a.name for a in listed.adapters] == ["in", "rel"]
+    # Where they lie on the server is for admins only.
+    assert [a.path for a in listed.adapters] == ["", ""]
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md(KEY_A))
+    assert [a.path for a in info.adapters] == ["", ""]
+    listed = await stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md(ADMIN))
+    assert [a.path for a in listed.adapters] == [str((lora_root / d).resolve()) for d in ("a", "b")]
     for name in ("in", "rel"):
         await stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), metadata=md(ADMIN))
 

@@ -268,8 +268,8 @@ def test_compose_worker_token_script_writes_a_usable_token_once(tmp_path: Path) 
 
 def test_compose_api_keys_come_from_the_environment_only() -> None:
     scheduler = SERVICES["scheduler"]["environment"]
-    assert scheduler["LLMSERVE_API_KEY"] == "${LLMSERVE_API_KEY:-}"
-    assert scheduler["LLMSERVE_ADMIN_API_KEY"] == "${LLMSERVE_ADMIN_API_KEY:-}"
+    # Passed through from the shell, never set empty (which the scheduler refuses as a mistake).
+    assert scheduler["LLMSERVE_API_KEY"] is None and scheduler["LLMSERVE_ADMIN_API_KEY"] is None
     # The gateway asks HTTP clients for the same keys.
     assert SERVICES["gateway"]["environment"] == scheduler
     for name in WORKERS:
@@ -434,11 +434,13 @@ def test_docker_compose_binds_published_ports_to_loopback_by_default(monkeypatch
 @needs_compose
 def test_docker_compose_passes_api_keys_to_the_scheduler_and_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
     token = "t" * 43
-    # Unset: empty, which the scheduler reads as no keys.
+    # Unset in the shell: unset in the containers too, which the scheduler reads as no keys.
+    monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("LLMSERVE_ADMIN_API_KEY", raising=False)
     services = _resolved(monkeypatch)
     parsed = build_parser().parse_args(services["scheduler"]["command"])
-    monkeypatch.setenv("LLMSERVE_API_KEY", services["scheduler"]["environment"]["LLMSERVE_API_KEY"])
-    monkeypatch.setenv("LLMSERVE_ADMIN_API_KEY", services["scheduler"]["environment"]["LLMSERVE_ADMIN_API_KEY"])
+    environment = services["scheduler"].get("environment") or {}
+    assert environment.get("LLMSERVE_API_KEY") is None and environment.get("LLMSERVE_ADMIN_API_KEY") is None
     assert not configs.auth_config(parsed, token).clients_authenticated
     # Set: the scheduler asks for them, as the code reads them from its environment.
     services = _resolved(
@@ -455,7 +457,7 @@ def test_docker_compose_passes_api_keys_to_the_scheduler_and_the_gateway(monkeyp
     assert services["gateway"]["environment"] == scheduler_env
     # The gateway, from the same environment, asks HTTP callers for them.
     http_keys = _gateway_config(services["gateway"]["command"]).api_keys
-    assert {"client-key-1", "client-key-2"} <= set(http_keys)
+    assert http_keys == ("admin-key-1", "client-key-1", "client-key-2")  # the admin key is smg's shared one
     # The token volume, resolved: read-only everywhere but in the one-shot that writes it.
     for name in ("scheduler", *WORKERS):
         (mount,) = [v for v in services[name]["volumes"] if v["source"] == TOKEN_VOLUME]
@@ -825,18 +827,67 @@ def test_k8s_scheduler_and_workers_read_the_worker_token_from_its_secret() -> No
     assert not [v for v in workload["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
 
 
-def test_k8s_api_keys_come_from_an_optional_secret() -> None:
-    expected = {
-        "scheduler": {"LLMSERVE_API_KEY": "api-keys", "LLMSERVE_ADMIN_API_KEY": "admin-api-keys"},
-        "gateway": {"LLMSERVE_API_KEY": "api-keys", "LLMSERVE_ADMIN_API_KEY": "admin-api-keys"},
-        "worker": {},
-    }
+API_KEY_VARIABLES = {"LLMSERVE_API_KEY": "api-keys", "LLMSERVE_ADMIN_API_KEY": "admin-api-keys"}
+
+
+def test_k8s_api_keys_come_from_a_required_secret() -> None:
+    expected = {"scheduler": API_KEY_VARIABLES, "gateway": API_KEY_VARIABLES, "worker": {}}
     for component, variables in expected.items():
         refs = _secret_env(_workload(component)[1])
         assert {name: ref["key"] for name, ref in refs.items()} == variables, component
         for ref in refs.values():
-            # The product runs without keys; the pod must start without the Secret.
-            assert ref["name"] == API_KEYS_SECRET and ref["optional"] is True, component
+            # 50051 and 8000 admit every pod in the cluster (networkpolicy.yaml): a pod that
+            # started without the Secret would make each of them an anonymous admin
+            # (SubscribeKvEvents, FlushCache, smg's control plane). It must not start.
+            assert ref["name"] == API_KEYS_SECRET, component
+            assert not ref.get("optional", False), (component, ref)
+
+
+def test_k8s_api_key_test_catches_an_optional_secret() -> None:
+    # The check above can fail: either key reference turned optional again is caught.
+    for component in ("scheduler", "gateway"):
+        for variable in API_KEY_VARIABLES:
+            (env,) = [e for e in _workload(component)[1]["env"] if e["name"] == variable]
+            ref = env["valueFrom"]["secretKeyRef"]
+            saved = dict(ref)
+            ref["optional"] = True
+            try:
+                with pytest.raises(AssertionError):
+                    test_k8s_api_keys_come_from_a_required_secret()
+            finally:
+                ref.clear()
+                ref.update(saved)
+    test_k8s_api_keys_come_from_a_required_secret()
+
+
+def test_k8s_every_port_open_to_anyone_asks_for_the_api_keys() -> None:
+    # Where a policy admits any pod, the keys are all that keeps callers out.
+    scheduler_port = int(flag(_workload("scheduler")[1]["args"], "--port"))
+    gateway_port = _gateway_config(_workload("gateway")[1]["args"]).port
+    open_ports = {
+        (component, port) for component in WORKLOADS for port, who in _admitted(component).items() if ANYONE in who
+    }
+    assert open_ports == {("scheduler", scheduler_port), ("gateway", gateway_port)}
+    for component, _ in open_ports:
+        refs = _secret_env(_workload(component)[1])
+        assert {name: ref["key"] for name, ref in refs.items()} == API_KEY_VARIABLES, component
+        assert not [ref for ref in refs.values() if ref.get("optional", False)], component
+
+
+def test_k8s_docs_call_the_api_keys_required() -> None:
+    readme = (K8S_DIR / "README.md").read_text()
+    text = " ".join(readme.split())
+    assert "only the network policies stand between" not in text
+    assert "optional: true" not in readme
+    # Both keys generated on the spot by a command, never a literal value.
+    generated = r'"\$\(python3 -c \'import secrets; print\(secrets\.token_urlsafe\(32\)\)\'\)"'
+    for key in API_KEY_VARIABLES.values():
+        assert re.search(rf"--from-literal={key}={generated}", readme), key
+    for path in (K8S_DIR / "kustomization.yaml", REPO / "docs" / "deploying.md"):
+        flat = " ".join(path.read_text().split())
+        assert "llmserve-api-keys (optional)" not in flat, path
+        assert "`llmserve-api-keys`, optional" not in flat, path
+        assert "optionally `llmserve-api-keys`" not in flat, path
 
 
 def test_k8s_commits_no_secret_and_documents_creating_each_one() -> None:

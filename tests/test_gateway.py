@@ -742,6 +742,10 @@ def test_http_keys_reach_smg_through_its_environment_never_its_argv(monkeypatch:
     assert parsed.api_keys == (first, second, "env-key-0003")
     with pytest.raises(ValueError, match="at least 8 characters"):
         configs.gateway_config(build_parser().parse_args(["gateway", "--scheduler", "s1:1", "--api-key", "short"]))
+    # An admin key, from its variable too, comes first: a client key never holds smg's control plane.
+    monkeypatch.setenv("LLMSERVE_ADMIN_API_KEY", "env-admin-0004")
+    parsed = configs.gateway_config(build_parser().parse_args(["gateway", "--scheduler", "s1:50051"]))
+    assert parsed.api_keys == ("env-admin-0004", "env-key-0003")
 
 
 def test_smg_is_found_beside_the_interpreter_then_on_path_else_a_clear_error(tmp_path: Path) -> None:

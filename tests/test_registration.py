@@ -180,6 +180,9 @@ def _registry(**config: Any) -> tuple[Any, list[tuple[str, list[str], Any]], lis
         ({}, {"rank": 2, "world_size": 2}, "InvalidArgument", "rank 2 is not in a group of 2"),
         ({}, {"block_size": 7}, "InvalidArgument", "block_size: 7, want one of 8, 16, 32, 64, 128"),
         ({}, {"address": ""}, "InvalidArgument", "no address"),
+        # A second address to dial, smuggled past the allow-list after a comma.
+        ({"allow": ("10.0.0.1",)}, {"address": "10.0.0.1:5,evil.example:5555"}, "InvalidArgument", "without commas"),
+        ({}, {"address": "10.0.0.1:5 evil:1"}, "InvalidArgument", "without commas, spaces"),
     ],
 )
 async def test_the_registration_policy_refuses_before_anything_is_dialed(

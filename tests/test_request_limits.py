@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from common.model_spec import ModelSpec
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.request import GenerationRequest, Limits, check_fields
 from scheduler_svc.lora.adapter_registry import MAX_NAME_LENGTH
-from scheduler_svc.text.grammar import MASK_BUDGET_S, GrammarCompiler, fill_masks
+from scheduler_svc.text.grammar import MASK_BUDGET_S, MAX_WAITING_COMPILES, GrammarCompiler, fill_masks
 from scheduler_svc.text.grammar_cache import GrammarCache
 from scheduler_svc.text.input_limits import flag_of
 from scheduler_svc.text.structured_output import StructuredOutput, json_depth
@@ -264,6 +265,86 @@ async def test_a_cancelled_request_ends_its_compile(compiler: GrammarCompiler) -
     assert process.pid != first  # killed, and another started
     assert compiler.cache.get(spec.digest) is None
     assert await compiler.grammar_off_loop(StructuredOutput("regex", "[g-k]+"), RequestLimits())
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_slow_compile_leaves_a_bounded_queue_and_cached_grammars_are_served(
+    compiler: GrammarCompiler,
+) -> None:
+    """One compile at a time: behind a slow one, MAX_WAITING_COMPILES new grammars wait and the
+    next is refused at once (a client sending many slow grammars used to queue everyone's new
+    ones behind his, forever); a cached grammar is served meanwhile, a grammar already waiting
+    rides along, and a cancelled waiter leaves the queue."""
+    assert MAX_WAITING_COMPILES == 64
+    cached = StructuredOutput("regex", "[0-9]+")
+    compiler.compile(cached)
+    compiler.compile(StructuredOutput("regex", "[q-u]+"))  # new: the child has started
+    lane, process = compiler._lane, compiler._process  # noqa: SLF001
+    assert process is not None
+    slow = StructuredOutput("json_schema", json.dumps({"type": "string", "maxLength": 100_002}))  # 1.8 s of CPU
+    patient = RequestLimits(grammar_compile_timeout=60)
+    holder = asyncio.create_task(compiler.grammar_off_loop(slow, patient))
+    await _until(lambda: process._running is not None)  # noqa: SLF001 - in the child: a cancel kills it
+    assert lane.busy
+    tasks = [
+        asyncio.create_task(compiler.grammar_off_loop(StructuredOutput("regex", f"w{i}[a-z]+"), patient))
+        for i in range(MAX_WAITING_COMPILES)
+    ]
+    try:
+        await _until(lambda: lane.waiting == MAX_WAITING_COMPILES)
+        start = time.monotonic()
+        with pytest.raises(ResourceExhausted) as error:
+            await asyncio.wait_for(compiler.grammar_off_loop(StructuredOutput("regex", "one[a-z]+more"), patient), 20)
+        assert time.monotonic() - start < 1.0  # at once, not after the slow compile
+        assert str(error.value) == "structured_output.regex: 64 grammar compiles are already waiting; retry later"
+        with pytest.raises(ResourceExhausted, match="64 grammar compiles are already waiting"):
+            compiler.compile(StructuredOutput("grammar", 'root ::= "x"'), patient)  # the blocking form too
+        assert await compiler.grammar_off_loop(cached, patient) and compiler.compile(cached, patient)
+        tasks.append(asyncio.create_task(compiler.grammar_off_loop(StructuredOutput("regex", "w0[a-z]+"), patient)))
+        # A cancelled waiter leaves the queue at once, and its place is free.
+        tasks[3].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[3]
+        assert lane.waiting == MAX_WAITING_COMPILES - 1
+        tasks[3] = asyncio.create_task(compiler.grammar_off_loop(StructuredOutput("regex", "late[a-z]+"), patient))
+        await _until(lambda: lane.waiting == MAX_WAITING_COMPILES)
+        assert lane.busy and not holder.done() and not any(t.done() for t in tasks)  # all behind the slow one
+    finally:
+        holder.cancel()  # its child is killed: the waiters go on with the next one
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    assert all(await asyncio.gather(*tasks))
+    assert lane.waiting == 0 and not lane.busy and compiler.cache.get(slow.digest) is None
+    assert compiler.cache.get(StructuredOutput("regex", "w3[a-z]+").digest) is None  # the cancelled one never ran
+
+
+async def test_a_compile_that_waits_past_the_timeout_is_refused(compiler: GrammarCompiler) -> None:
+    compiler.compile(StructuredOutput("regex", "[0-9]+"))
+    lane = compiler._lane  # noqa: SLF001
+    held = object()  # the lane taken as a slow compile takes it, for as long as the test likes
+    assert lane.join(held, b"held", lambda turn: True) and lane.busy
+    spec = StructuredOutput("regex", "[l-p]+")
+    try:
+        start = time.monotonic()
+        with pytest.raises(ResourceExhausted) as error:
+            await asyncio.wait_for(compiler.grammar_off_loop(spec, RequestLimits(grammar_compile_timeout=0.3)), 20)
+        assert 0.3 <= time.monotonic() - start < 10
+        assert str(error.value) == (
+            "structured_output.regex: waited 0.3 s (--grammar-compile-timeout) for other grammar compiles to end; "
+            "retry later"
+        )
+        with pytest.raises(ResourceExhausted, match="waited 0.2 s"):
+            compiler.compile(spec, RequestLimits(grammar_compile_timeout=0.2))  # the blocking form too
+        assert lane.waiting == 0 and lane.busy
+    finally:
+        lane.release(held)
+    assert await compiler.grammar_off_loop(spec, RequestLimits()) and not lane.busy
 
 
 def test_the_cache_is_bounded_in_bytes_and_keyed_by_a_hash() -> None:

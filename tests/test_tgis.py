@@ -340,6 +340,12 @@ async def test_unknown_adapters_prefixes_and_bad_input_are_refused(tiny_schedule
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stream(tiny_scheduler, single("hi", params(4, min_new_tokens=5)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in err.value.details()
+    # A batch larger than the queue takes is refused before a task is made per prompt.
+    too_many = tiny_scheduler.engine.config.max_queue_len + 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub(tiny_scheduler).Generate(batched(["a"] * too_many, params(4)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-queue-len" in err.value.details()
+    assert tiny_scheduler.engine.num_requests == 0
 
 
 def test_requests_map_to_the_engine_request() -> None:

@@ -15,6 +15,7 @@ import contextvars
 import enum
 import hashlib
 import hmac
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,12 @@ log = structlog.get_logger(__name__)
 
 HEADER = "authorization"
 _SCHEME = "bearer "
+
+
+# What stays open whatever is configured: the unary health check probes call. Reflection and
+# Health/Watch are long-lived streams that would let anyone hold the server's RPC slots, so on
+# a server with secrets they take the role of the service they describe.
+PROBE = "/grpc.health.v1.Health/Check"
 
 
 class Role(enum.Enum):
@@ -103,6 +110,15 @@ def judge(auth: AuthConfig, role: Role, secret: str | None) -> Verdict:
         return Verdict(PUBLIC if auth.clients_authenticated else ANONYMOUS)
     if role is Role.WORKER:
         if auth.worker_token is None:
+            if auth.clients_authenticated:
+                # Keys for clients but none for workers would leave the back door open: a
+                # registered "worker" receives every prompt routed to it.
+                return Verdict(
+                    None,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "this server asks clients for keys but has no worker token: set --worker-token-file "
+                    "(or LLMSERVE_WORKER_TOKEN) on it and its workers",
+                )
             return Verdict(Caller("worker", admin=False))
         if secret is not None and _matches(secret, (auth.worker_token,)):
             return Verdict(Caller("worker", admin=False))
@@ -162,7 +178,8 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
         await context.abort(code, message)
         yield  # pragma: no cover (abort raises)
 
-    return _rebuilt(handler, refuse, refuse_stream)
+    # No deserializer: a refused call's message is never parsed (it may be 4 MiB of anything).
+    return _rebuilt(handler, refuse, refuse_stream, decode=False)
 
 
 def _as(handler: grpc.RpcMethodHandler, who: Caller) -> grpc.RpcMethodHandler:
@@ -178,6 +195,11 @@ def _as(handler: grpc.RpcMethodHandler, who: Caller) -> grpc.RpcMethodHandler:
         return call
 
     def streaming(inner: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(inner):
+            # A streaming handler may also be a coroutine that writes its responses itself
+            # (context.write), as grpc's own Health.Watch is.
+            return unary(inner)
+
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             _CALLER.set(who)
             async for response in inner(request, context):
@@ -194,6 +216,7 @@ def _rebuilt(
     stream_behavior: Callable[..., Any] | None,
     wrap_unary: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     wrap_stream: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    decode: bool = True,
 ) -> grpc.RpcMethodHandler:
     """A handler of the same shape and codecs whose behaviour is replaced or wrapped."""
 
@@ -203,7 +226,7 @@ def _rebuilt(
         return unary_behavior if wrap_unary is None else wrap_unary(inner)  # type: ignore[return-value]
 
     codecs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": handler.request_deserializer if decode else None,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:

@@ -96,7 +96,12 @@ def _secrets(values: list[str], path: str | None, env: str) -> tuple[str, ...]:
             keys += Path(path).read_text().split()
         except OSError as error:
             raise ValueError(f"cannot read the key file {path!r}: {error.strerror}") from None
-    keys += [k.strip() for k in os.environ.get(env, "").split(",")]
+    if env in os.environ:
+        from_env = [k.strip() for k in os.environ[env].split(",") if k.strip()]
+        if not from_env:
+            # A secret mounted empty must not quietly turn authentication off.
+            raise ValueError(f"{env} is set but holds no key: give it one, or unset it to serve without keys")
+        keys += from_env
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
@@ -125,6 +130,13 @@ def auth_config(a: argparse.Namespace, token: str | None = None) -> AuthConfig:
         ),
         worker_token=token if token is not None else worker_token(a),
     )
+
+
+def http_keys(auth: AuthConfig) -> tuple[str, ...]:
+    """The keys smg asks HTTP callers for, admin keys first: the first is smg's shared key,
+    which opens its control plane too (/workers, /flush_cache), the rest open /v1 only
+    (llmserve/gateway.py). A client key never comes first while an admin key exists."""
+    return tuple(dict.fromkeys((*auth.admin_keys, *auth.api_keys)))
 
 
 def registry_config(a: argparse.Namespace) -> RegistryConfig:
@@ -270,7 +282,7 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
         raise ValueError(
             "llmserve gateway needs --scheduler HOST:PORT (repeat it for several) or --k8s-selector KEY=VALUE"
         )
-    keys = AuthConfig(api_keys=_secrets(a.api_key, a.api_key_file, "LLMSERVE_API_KEY")).api_keys  # checked as keys
+    keys = http_keys(auth_config(a))
     return GatewayConfig(
         schedulers=tuple(a.scheduler),
         discovery=discovery,

@@ -238,17 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="namespace to watch for scheduler pods (default: every namespace, which needs cluster-wide permissions)",
     )
-    gw.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="HTTP requests must send `Authorization: Bearer KEY` (else 401); repeat for several: the first also "
-        "opens smg's admin routes (/flush_cache, /workers), the others /v1 only. Also read from --api-key-file and "
-        "LLMSERVE_API_KEY (comma-separated). smg shows no key to the schedulers: behind keys, name their "
-        "--gateway-port in --scheduler (and --k8s-port)",
-    )
-    gw.add_argument("--api-key-file", default=None, metavar="PATH", help="file of HTTP API keys, one per line")
+    # The schedulers' keys: HTTP requests must carry one (else 401). smg shows no key to the
+    # schedulers, so behind keys --scheduler (and --k8s-port) name their --gateway-port.
+    add_client_auth_flags(gw)
 
     sub.add_parser("prepare-model", help="download and convert the default model (once)")
     return root

@@ -24,7 +24,6 @@ from dataclasses import replace
 
 import structlog
 
-from common.config import AuthConfig
 from common.grpc.ports import check_free
 from llmserve.cli import configs
 from llmserve.cli.commands import run_until_signal
@@ -108,7 +107,8 @@ def cmd_up(a: argparse.Namespace) -> None:
                     # checks fail) and answer requests with the scheduler's UNAVAILABLE.
                     schedulers = (dial_address("127.0.0.1", server.gateway_port),)
                     gateway = Gateway(
-                        replace(gateway_config, schedulers=schedulers, api_keys=http_keys(server_config.auth)), smg
+                        replace(gateway_config, schedulers=schedulers, api_keys=configs.http_keys(server_config.auth)),
+                        smg,
                     )
                     gateway.start()
                 waiting_for_ready = gateway_config is not None and (gateway is None or not gateway.announced)
@@ -127,12 +127,6 @@ def cmd_up(a: argparse.Namespace) -> None:
             shutil.rmtree(sockdir, ignore_errors=True)
 
     run_until_signal(body)
-
-
-def http_keys(auth: AuthConfig) -> tuple[str, ...]:
-    """The keys smg asks HTTP callers for, an admin one first: the first is smg's shared key,
-    which opens its admin routes too (llmserve/gateway.py)."""
-    return tuple(dict.fromkeys((*auth.admin_keys, *auth.api_keys)))
 
 
 def _worker_env(env: dict[str, str] | None, token: str) -> dict[str, str]:

@@ -114,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: gen_pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.ModelInfo:
-        return wire.model_info(self._engine.model_info())
+        return wire.model_info(self._engine.model_info(), paths=auth.caller().admin)
 
     async def GetLoad(  # noqa: N802
         self, request: gen_pb.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -140,4 +140,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def ListAdapters(  # noqa: N802
         self, request: gen_pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb.ListAdaptersResponse:
-        return wire.adapter_list(self._engine.adapters.list())
+        # Server paths are for admins: a client key learns the adapters' names, not where they lie.
+        return wire.adapter_list(self._engine.adapters.list(), paths=auth.caller().admin)

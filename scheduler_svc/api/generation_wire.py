@@ -99,7 +99,7 @@ def _token_logprobs(entries: tuple[TokenLogprob, ...]) -> list[gen_pb.TokenLogpr
     ]
 
 
-def model_info(info: ModelInfo) -> gen_pb.ModelInfo:
+def model_info(info: ModelInfo, paths: bool = True) -> gen_pb.ModelInfo:
     limits = info.limits
     return gen_pb.ModelInfo(
         model_name=info.model_name,
@@ -115,22 +115,23 @@ def model_info(info: ModelInfo) -> gen_pb.ModelInfo:
             max_n=limits.max_n,
             max_queue_len=info.max_queue_len,
         ),
-        adapters=[adapter_info(a) for a in info.adapters],
+        adapters=[adapter_info(a, paths) for a in info.adapters],
     )
 
 
-def adapter_info(adapter: Adapter) -> gen_pb.AdapterInfo:
+def adapter_info(adapter: Adapter, paths: bool = True) -> gen_pb.AdapterInfo:
+    """`paths` False leaves out where the adapter lies on the server (what admins alone see)."""
     return gen_pb.AdapterInfo(
         name=adapter.name,
-        path=adapter.path,
+        path=adapter.path if paths else "",
         rank=adapter.rank,
         scale=adapter.scale,
         target_modules=list(adapter.target_modules),
     )
 
 
-def adapter_list(adapters: list[Adapter]) -> gen_pb.ListAdaptersResponse:
-    return gen_pb.ListAdaptersResponse(adapters=[adapter_info(a) for a in adapters])
+def adapter_list(adapters: list[Adapter], paths: bool = True) -> gen_pb.ListAdaptersResponse:
+    return gen_pb.ListAdaptersResponse(adapters=[adapter_info(a, paths) for a in adapters])
 
 
 def load(value: Load) -> gen_pb.Load:

@@ -1,19 +1,19 @@
 """The role of each RPC the scheduler's port serves (common/grpc/auth.py checks callers by it).
 
 Admin RPCs change or reveal what all callers share: the adapters served, the prefix cache and
-its contents, profiling. Registry is the worker plane. Health and reflection stay open, for
-probes and for grpcurl; `--no-reflection` turns reflection off.
+its contents, profiling. Registry is the worker plane. The health check stays open, for
+probes; reflection and Health/Watch are client RPCs (open only where no key is configured);
+`--no-reflection` turns reflection off.
 """
 
 from __future__ import annotations
 
-from common.grpc.auth import Role
+from common.grpc.auth import PROBE, Role
 from common.pb.llmserve.v1 import generation_pb2, registry_pb2
 from scheduler_svc.api import vllm_servicer
 
 _GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _REGISTRY = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 ADMIN_METHODS = frozenset(
     {
@@ -28,7 +28,7 @@ ADMIN_METHODS = frozenset(
 
 
 def role_of(method: str) -> Role:
-    if method.startswith(_OPEN_PREFIXES):
+    if method == PROBE:
         return Role.OPEN
     if method.startswith(f"/{_REGISTRY}/"):
         return Role.WORKER

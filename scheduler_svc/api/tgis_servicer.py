@@ -44,7 +44,7 @@ class TgisServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> pb.BatchedGenerationResponse:
         headers = trace_headers(context)
         bind_trace(headers)  # the prompts' tasks copy them: each prompt's lines carry the caller's ids
-        texts, params = tgis_wire.batched_request(request)
+        texts, params = tgis_wire.batched_request(request, self._engine.config.max_queue_len)
         deadline = _deadline(params)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))

@@ -105,7 +105,15 @@ class TimeLimit:
 # ---- requests ----
 
 
-def batched_request(msg: pb.BatchedGenerationRequest) -> tuple[list[str], TgisParams]:
+def batched_request(msg: pb.BatchedGenerationRequest, max_requests: int) -> tuple[list[str], TgisParams]:
+    """The batch's prompts and parameters. Its size is checked before anything is made per
+    prompt: 4 MiB of one-character prompts would otherwise be ~800,000 tasks on the event loop."""
+    if len(msg.requests) > max_requests:
+        raise InvalidArgument(
+            "requests",
+            f"{len(msg.requests)} prompts in one batch exceed the {max_requests} this server queues per worker "
+            "group (--max-queue-len)",
+        )
     return [r.text for r in msg.requests], _with_adapter(msg, params(msg.params))
 
 

@@ -44,7 +44,7 @@ from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
 from scheduler_svc.text.chat_template import ChatTemplate, Messages
 from scheduler_svc.text.grammar import Grammar, GrammarCompiler
-from scheduler_svc.text.input_limits import check_messages_bytes, check_text_bytes
+from scheduler_svc.text.prompt_text import prompt_tokens
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.workers.worker_client import WorkerLink
 
@@ -279,14 +279,8 @@ class Engine:
         conversation) within RequestLimits `limit`, rendered and tokenized in a thread."""
         if token_ids:
             return list(token_ids)
-        if not messages:
-            check_text_bytes("prompt", (text,), self.limits.request, limit)
-            return await self.tokenizer.encode_off_loop(text)
-        check_messages_bytes(messages, self.limits.request, limit)
-        if (template := self.chat_template) is None:
-            raise InvalidArgument("messages", f"model {self.spec.name!r} has no chat template; send a prompt")
-        # The rendered conversation holds its special tokens already.
-        return await asyncio.to_thread(lambda: self.tokenizer.encode(template.render(list(messages)), False))
+        request = self.limits.request
+        return await prompt_tokens(self.tokenizer, self.chat_template, self.spec.name, text, messages, request, limit)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(

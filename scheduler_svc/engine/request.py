@@ -56,7 +56,7 @@ class GenerationRequest:
     # Who sent it (common/grpc/auth.py Caller.name): Abort from another caller leaves it alone.
     owner: str = ""
     # The caller may jump the queue (priority below 0): an admin key, the gateway, in-process use.
-    privileged: bool = True
+    privileged: bool = False
 
 
 @dataclass(frozen=True)

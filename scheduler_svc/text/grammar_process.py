@@ -12,7 +12,8 @@ The child compiles the grammar, times its first token mask and measures it; the 
 compiles the same text itself (at nice 10 too), knowing that it ends, and how soon. Compiling
 twice costs CPU that nothing else wanted; bringing the child's result over would cost memory:
 xgrammar's serialized form of a string schema of maxLength 100,000 is 12.6 MB, and reading it
-back takes 100 MB for a moment. One grammar is tried at a time; others wait their turn.
+back takes 100 MB for a moment. One grammar is tried at a time; others wait their turn in the
+`CompileLane`, a bounded number of them, each for at most the compile timeout (grammar.py).
 
 Run as `python -m scheduler_svc.text.grammar_process FD`, FD being its end of a socket pair.
 """
@@ -27,6 +28,8 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,8 @@ class CompilerProcess:
         """The child's reply to `request` (kind, text, choices, max_whitespace, max_bytes):
         ("ok", first_mask_seconds), ("invalid", reason), or ("too_big", bytes) for a compiled
         grammar over max_bytes. CompileTimeout past `timeout` seconds of compiling (the wait
-        for a turn and for the child's start do not count); CompilerGone if it ended meanwhile."""
+        for a turn, bounded by the caller's lane, and for the child's start do not count);
+        CompilerGone if it ended meanwhile."""
         with self._turn:
             child = self._started()
             with self._state:
@@ -133,6 +137,83 @@ class CompilerProcess:
         code = child.stop()
         self._spawn()
         return code
+
+
+class CompileLane:
+    """The compile lane: one compile at a time, in the order they came, with at most `depth`
+    distinct grammars waiting (a request for a grammar already waiting or compiling rides
+    along: its turn finds it compiled). Each waiter gives a `notify(turn)`, called (under
+    the lane's lock: it must not block) with True at its turn, False when the lane closes; it
+    returns False when nobody can hear it any more, and the next waiter's turn comes. No
+    method blocks: the event loop calls them."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[object, bytes, Callable[[bool], bool]]] = deque()  # the next first
+        self._digests: dict[bytes, int] = {}  # of the waiting grammars: how many wait for each
+        self._holder: tuple[object, bytes] | None = None  # whose compile runs, of what
+
+    @property
+    def waiting(self) -> int:
+        """Distinct grammars waiting."""
+        with self._lock:
+            return len(self._digests)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._holder is not None
+
+    def join(self, ticket: object, digest: bytes, notify: Callable[[bool], bool]) -> bool:
+        """Queue `ticket`; False, not queued, when its grammar would be the depth + 1-th
+        distinct one waiting."""
+        with self._lock:
+            new = digest not in self._digests and (self._holder is None or self._holder[1] != digest)
+            if new and len(self._digests) >= self.depth:
+                return False
+            self._queue.append((ticket, digest, notify))
+            self._digests[digest] = self._digests.get(digest, 0) + 1
+            self._hand_on()
+            return True
+
+    def give_up(self, ticket: object) -> bool:
+        """`ticket` waits no longer (its request went away or waited too long); True when its
+        turn had come meanwhile: the lane is then its own, to use or `release`."""
+        with self._lock:
+            for entry in self._queue:
+                if entry[0] is ticket:
+                    self._queue.remove(entry)
+                    self._forget(entry[1])
+                    return False
+            return self._holder is not None and self._holder[0] is ticket
+
+    def release(self, ticket: object) -> None:
+        """`ticket`'s compile ended: the next one's turn."""
+        with self._lock:
+            if self._holder is not None and self._holder[0] is ticket:
+                self._holder = None
+                self._hand_on()
+
+    def close(self) -> None:
+        with self._lock:
+            while self._queue:
+                self._queue.popleft()[2](False)
+            self._digests.clear()
+
+    def _hand_on(self) -> None:
+        while self._holder is None and self._queue:
+            ticket, digest, notify = self._queue.popleft()
+            self._forget(digest)
+            if notify(True):
+                self._holder = (ticket, digest)
+
+    def _forget(self, digest: bytes) -> None:
+        left = self._digests[digest] - 1
+        if left:
+            self._digests[digest] = left
+        else:
+            del self._digests[digest]
 
 
 class _Child:

@@ -145,6 +145,12 @@ class WorkerRegistry:
                 raise InvalidArgument(name, f"{len(value)} characters, at most {most}")
         if not r.address:
             raise InvalidArgument("address", "the registration has no address to reach the worker at")
+        if any(c == "," or c.isspace() or not c.isprintable() for c in r.address):
+            # A comma separates a group's ranks where addresses are joined (fleet, --worker):
+            # one rank's address must never smuggle in a second one to dial.
+            raise InvalidArgument(
+                "address", "one host:port or unix:///path, without commas, spaces or control characters"
+            )
         if not 1 <= r.world_size <= MAX_WORLD_SIZE:
             raise InvalidArgument("world_size", f"{r.world_size}, want between 1 and {MAX_WORLD_SIZE}")
         if not 0 <= r.rank < r.world_size:

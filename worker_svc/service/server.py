@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import AuthConfig, TlsConfig, WorkerConfig
-from common.grpc.auth import AuthInterceptor, Role, is_loopback
+from common.grpc.auth import PROBE, AuthInterceptor, Role, is_loopback
 from common.grpc.error_interceptor import ErrorInterceptor
 from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.grpc.tls import tls_mode
@@ -37,14 +37,13 @@ from worker_svc.step.runner import ModelRunner
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 MIB = 1 << 20
 
 
 def role_of(method: str) -> Role:
-    """Health and reflection are open (probes, grpcurl); the Worker service, and anything else
-    the port might serve, is the worker plane."""
-    return Role.OPEN if method.startswith(_OPEN_PREFIXES) else Role.WORKER
+    """The health check is open (probes); everything else the port serves, reflection and
+    Health/Watch included, is the worker plane."""
+    return Role.OPEN if method == PROBE else Role.WORKER
 
 
 def max_plan_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
