@@ -212,7 +212,8 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
     s = plan.sampling
     sampled = plan.sample.astype(bool)
     tokens = result.sampled_token_ids
-    if tokens[sampled].size and (int(tokens[sampled].min()) < 0 or int(tokens[sampled].max()) >= vocab_size):
+    picked = tokens[sampled]
+    if picked.size and (int(picked.min()) < 0 or int(picked.max()) >= vocab_size):
         raise ValueError(f"sampled_token_ids: a token outside the vocabulary of {vocab_size}")
     if (tokens[~sampled] != -1).any():
         raise ValueError("sampled_token_ids: a token for a sequence that samples nothing this step")

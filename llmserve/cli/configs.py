@@ -88,14 +88,14 @@ def server_config(a: argparse.Namespace, worker_token: str | None = None) -> Ser
     )
 
 
+WORKER_TOKEN_ENV = "LLMSERVE_WORKER_TOKEN"
+
+
 def _secrets(values: list[str], path: str | None, env: str) -> tuple[str, ...]:
     """Keys from the flag (repeated), a file of one per line, and a comma-separated variable."""
     keys = [v.strip() for v in values]
     if path is not None:
-        try:
-            keys += Path(path).read_text().split()
-        except OSError as error:
-            raise ValueError(f"cannot read the key file {path!r}: {error.strerror}") from None
+        keys += _read_secrets(path, "the key file").split()
     if env in os.environ:
         from_env = [k.strip() for k in os.environ[env].split(",") if k.strip()]
         if not from_env:
@@ -109,17 +109,18 @@ def worker_token(a: argparse.Namespace) -> str | None:
     """The worker plane's token: --worker-token-file, else LLMSERVE_WORKER_TOKEN, else none."""
     path = getattr(a, "worker_token_file", None)
     if path is not None:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as error:
-            raise ValueError(f"cannot read --worker-token-file {path!r}: {error.strerror}") from None
+        token = _read_secrets(path, "--worker-token-file").strip()
         if not token:
             raise ValueError(f"--worker-token-file {path!r} is empty")
         return token
     return os.environ.get(WORKER_TOKEN_ENV) or None
 
 
-WORKER_TOKEN_ENV = "LLMSERVE_WORKER_TOKEN"
+def _read_secrets(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {path!r}: {error.strerror}") from None
 
 
 def auth_config(a: argparse.Namespace, token: str | None = None) -> AuthConfig:
