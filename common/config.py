@@ -11,6 +11,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 MAX_LORA_RANK = 512  # the largest adapter rank a slot may be sized for
 
@@ -212,6 +213,10 @@ class WorkerConfig:
     world_size: int = 1
     dist_init_method: str = ""
     dist_timeout: float = 60.0
+    # "auto": NCCL between GPUs, gloo on CPU. "gloo" on CUDA lets ranks share a GPU (NCCL
+    # refuses two ranks on one device), at the cost of host copies in every collective and
+    # no CUDA graphs (a collective through the host cannot be captured).
+    dist_backend: str = "auto"
     # None: no adapter slots (LoRA off).
     lora: LoraConfig | None = None
 
@@ -229,6 +234,10 @@ class WorkerConfig:
         _require(0 <= self.rank < self.world_size, f"rank must lie in [0, {self.world_size}), got {self.rank}")
         _require(self.world_size == 1 or bool(self.dist_init_method), "a group of ranks needs dist_init_method")
         _require(self.dist_timeout > 0, "dist_timeout must be positive")
+        _require(
+            self.dist_backend in DIST_BACKENDS,
+            f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}",
+        )
         _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
 
 

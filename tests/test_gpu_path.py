@@ -28,10 +28,12 @@ from common import worker_wire
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from tests.plans import Feed, make_plan
-from worker_svc.device.parallel import ParallelGroup, init_group
+from worker_svc.device.parallel import ParallelGroup, bind_device, dist_backend, init_group
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.models.registry import build_model
+from worker_svc.service.server import rank_device
 from worker_svc.service.servicer import WorkerServicer
+from worker_svc.step.loader import resolve_device
 from worker_svc.step.runner import PlanError
 
 ROPES: dict[str, dict[str, Any]] = {
@@ -108,7 +110,8 @@ class FakeCuda:
 
     def set_device(self, device: torch.device | int) -> None:
         index = device if isinstance(device, int) else torch.device(device).index
-        assert index is not None
+        if index is None:  # torch's own refusal (torch.cuda._utils._get_device_index)
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
         self.set_calls.append((threading.current_thread().name, index))
         self._local.index = index
 
@@ -199,6 +202,37 @@ def test_a_group_of_one_binds_the_main_thread_to_its_gpu(fake_cuda: FakeCuda) ->
     group = init_group(0, 1, "unused://", torch.device("cuda", 2))
     assert group.world_size == 1
     assert torch.cuda.current_device() == 2
+
+
+@pytest.mark.parametrize("flag", ["cuda", "auto"])
+def test_a_device_named_without_an_index_binds_the_first_gpu(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    # --device cuda (what the benchmarks and GPU tests pass) reaches set_device through the
+    # runner and the worker's group; torch refuses a CUDA device without an index.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device = resolve_device(flag)
+    assert device == torch.device("cuda", 0)
+    init_group(0, 1, "unused://", rank_device(device, 0, 1))
+    bind_device(resolve_device("cuda:1"))
+    assert fake_cuda.set_calls == [("MainThread", 0), ("MainThread", 1)]
+
+
+def test_the_stand_in_refuses_what_cuda_refuses(fake_cuda: FakeCuda) -> None:
+    with pytest.raises(ValueError, match="specified index"):
+        bind_device(torch.device("cuda"))
+
+
+def test_ranks_share_a_gpu_only_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = resolve_device("cuda")
+    assert [rank_device(cuda, r, 2, "gloo") for r in range(2)] == [torch.device("cuda", 0)] * 2
+    with pytest.raises(ValueError, match="--dist-backend gloo"):
+        rank_device(cuda, 1, 2, "nccl")
+    assert dist_backend("auto", cuda) == "nccl" and dist_backend("gloo", cuda) == "gloo"
+    assert dist_backend("auto", torch.device("cpu")) == "gloo"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        dist_backend("nccl", torch.device("cpu"))
 
 
 async def test_every_step_runs_with_the_workers_gpu_current(fake_cuda: FakeCuda) -> None:

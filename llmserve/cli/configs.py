@@ -227,6 +227,7 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         world_size=getattr(a, "world_size", None) or 1,
         dist_init_method=getattr(a, "dist_init", ""),
         dist_timeout=a.dist_timeout,
+        dist_backend=a.dist_backend,
         lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
     )
 

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from common.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES
+from common.config import ATTENTION_BACKENDS, DIST_BACKENDS, DTYPES, PREEMPTION_MODES
 from llmserve.gateway import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 
 
@@ -217,6 +217,13 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="seconds a collective may wait for the other ranks before the group gives up (default 60)",
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=DIST_BACKENDS,
+        default="auto",
+        help="collectives of a --tp group: auto = NCCL on CUDA, gloo on CPU; gloo on CUDA lets ranks share "
+        "one GPU (slower, no CUDA graphs)",
     )
     p.add_argument(
         "--max-loras",

@@ -50,6 +50,8 @@ def worker_args(a: argparse.Namespace, model: str) -> list[str]:
         str(a.max_num_seqs),
         "--dist-timeout",
         str(a.dist_timeout),
+        "--dist-backend",
+        a.dist_backend,
         "--gpu-memory-utilization",
         str(a.gpu_memory_utilization),
     ]

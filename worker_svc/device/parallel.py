@@ -90,19 +90,30 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def dist_backend(backend: str, device: torch.device) -> str:
+    """The torch.distributed backend a rank on `device` joins with."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"--dist-backend nccl needs CUDA, but this rank runs on {device}")
+    return backend
+
+
 def init_group(
     rank: int,
     world_size: int,
     init_method: str,
     device: torch.device,
     timeout_s: float = 300.0,
+    backend: str = "auto",
 ) -> ParallelGroup:
     """Bind this thread to the rank's device, then join the group: NCCL when the rank runs on
     CUDA, gloo on CPU. A group of one joins nothing, but is bound like any other rank.
 
     `init_method` is a torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500" or
     "file:///tmp/llmserve-tp". `timeout_s` bounds every collective, so a dead rank fails the
-    others instead of hanging them.
+    others instead of hanging them. `backend`: "auto" (as above), "nccl" or "gloo" (which
+    also runs CUDA tensors, through host copies, and so lets ranks share a GPU).
     """
     bind_device(device)
     if world_size == 1:
@@ -111,7 +122,7 @@ def init_group(
     # rendezvous and the first barrier get the load timeout; the step collectives run on a
     # group of the same ranks with the short timeout that detects a dead or stalled peer.
     dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
+        backend=dist_backend(backend, device),
         init_method=init_method,
         rank=rank,
         world_size=world_size,

@@ -84,8 +84,10 @@ class WorkerServer:
         check_free(address, "--listen")
         # Loading comes first: the port opens only when the worker can answer the handshake,
         # so a scheduler waiting on the channel never sees a half-ready worker.
-        device = rank_device(resolve_device(config.device), config.rank, config.world_size)
-        group = init_group(config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout)
+        device = rank_device(resolve_device(config.device), config.rank, config.world_size, config.dist_backend)
+        group = init_group(
+            config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout, config.dist_backend
+        )
         self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
         self.metrics_port = metrics_port
         self.registrar = registrar
@@ -173,13 +175,18 @@ class WorkerServer:
         log.info("worker_stopped")
 
 
-def rank_device(device: torch.device, rank: int, world_size: int) -> torch.device:
-    """One GPU per rank: with --device cuda:k, rank r of a group runs on cuda:(k + r)."""
+def rank_device(device: torch.device, rank: int, world_size: int, backend: str = "auto") -> torch.device:
+    """One GPU per rank: with --device cuda:k, rank r of a group runs on cuda:(k + r). Over gloo
+    ranks may share GPUs (rank r on cuda:((k + r) mod GPUs)); NCCL cannot run two ranks on one."""
     if device.type != "cuda" or world_size == 1:
         return device
+    count = torch.cuda.device_count()
     index = (device.index or 0) + rank
-    if index >= torch.cuda.device_count():
+    if backend == "gloo" and count > 0:
+        return torch.device("cuda", index % count)
+    if index >= count:
         raise ValueError(
-            f"rank {rank} of {world_size} would run on cuda:{index}, but {torch.cuda.device_count()} GPUs are visible"
+            f"rank {rank} of {world_size} would run on cuda:{index}, but {count} GPUs are visible "
+            f"(NCCL needs a GPU per rank; --dist-backend gloo lets ranks share one)"
         )
     return torch.device("cuda", index)

@@ -30,9 +30,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str) -> torch.device:
+    """The device a worker runs on, always with an index on CUDA: torch.cuda.set_device and
+    the per-device caches (kernels/workspace.py) refuse or miss a bare "cuda"."""
     if device == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        # The first visible GPU, as a bare "cuda" means to torch in a fresh process.
+        return torch.device("cuda", 0)
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
