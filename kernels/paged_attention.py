@@ -4,14 +4,19 @@ Work is split three ways so that a small batch of long sequences still fills the
 
     grid = (num_seqs, num_kv_heads, num_splits)
     program (s, g, p): the query heads of KV group g of sequence s (read as one matrix, so each
-    K/V tile is loaded once per group), against tokens [p * per_split, (p + 1) * per_split)
-    of that sequence, in tiles of TILE tokens (decode_launch) gathered through the block table.
+    K/V tile is loaded once per group), against the p-th piece of the keys s can see, in
+    tiles of TILE tokens (decode_launch) gathered through the block table:
 
-Each program leaves an unnormalised partial result with its running max and sum; a second
-kernel merges the splits (log-sum-exp weights). A split that starts past the end of its
-sequence leaves max = -inf and sum = 0 and weighs nothing in the merge. The number of splits
-comes from the batch shape and the block-table width only, never from reading seq_lens on the
-host, so the launch needs no synchronisation and can be captured in a CUDA graph.
+        visible  [lo, seq_len)    lo = max(0, seq_len - window) with a window, else 0
+        piece    per_split = ceil((seq_len - lo) / num_splits), rounded up to whole tiles
+        split p  [lo + p * per_split, min(lo + (p + 1) * per_split, seq_len))
+
+Each sequence splits its own keys, not the table's capacity: a CUDA graph's table is as wide
+as the longest context allowed, and a short sequence in it still gets its splits. Each program
+leaves an unnormalised partial result with its running max and sum; a second kernel merges
+the splits (log-sum-exp weights); an empty split (max = -inf, sum = 0) weighs nothing. The
+split count comes from shapes only, never from seq_lens on the host: no synchronisation, and
+the launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import workspace
 from kernels.attention_tile import attend_tile, load_kv_tile
 from kernels.checks import (
     Launch,
@@ -32,7 +38,6 @@ from kernels.checks import (
     native_dot,
     pow2,
 )
-from kernels.workspace import workspace
 
 
 def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -> Launch:
@@ -61,8 +66,8 @@ def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -
 # Triton compiles a variant per distinct specialisation of its integer arguments (== 1, a
 # multiple of 16). The block-table width (stride_bt) and the split count follow the batch, so
 # they are not specialised: every decode step of a model runs one compiled partial kernel.
-# tokens_per_split also changes, but the wrapper rounds it to whole tiles (a multiple of 16,
-# never 1), so its divisibility hint is the same at every step and stays for the gathers.
+# A split's length follows its sequence, so it is computed here, not passed (`window` is fixed
+# per layer); a whole number of tiles, its divisibility is visible to the compiler anyway.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_partial_kernel(
     q_ptr,
@@ -76,7 +81,6 @@ def _decode_partial_kernel(
     scale,
     softcap,
     window,
-    tokens_per_split,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -104,11 +108,11 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
-    # A sliding window (window > 0) hides the keys before the last `window`; a split wholly
-    # before them is empty like one past the end.
-    start = tl.maximum(start, tl.where(window > 0, seq_len - window, 0))
+    # A window (> 0) hides the keys before the last `window`: no split is spent on those.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), TILE) * TILE
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -201,14 +205,24 @@ def _parallel_units(device: torch.device) -> int:
     return 4
 
 
+MAX_SPLITS = 64  # the merge's widest split tile (tests/compile_kernels.py compiles it)
+
+
 def default_num_splits(
-    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, tile: int, device: torch.device
+    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, tile: int, device: torch.device, window: int = 0
 ) -> int:
-    """Enough programs to fill the device twice over, but no split shorter than one tile."""
+    """Splits per sequence: enough programs to fill the device twice over, at most MAX_SPLITS.
+
+    A sequence of t tiles fills min(splits, t) of them; the rest load nothing. The one bound
+    on t known without reading seq_lens is the visible range the table allows (its capacity,
+    or the window when shorter): past it every split of every sequence would be empty."""
     units = _parallel_units(device)
     want = -(-units // max(1, num_seqs * num_kv_heads))
-    tiles = -(-(max_blocks * block_size) // tile)
-    return max(1, min(want, tiles, 64))
+    visible = max_blocks * block_size
+    if window > 0:
+        visible = min(visible, window)
+    tiles = -(-visible // tile)
+    return max(1, min(want, tiles, MAX_SPLITS))
 
 
 def merge_pad(splits: int) -> int:
@@ -216,8 +230,8 @@ def merge_pad(splits: int) -> int:
     return pow2(splits, 2)
 
 
-# Every split tile default_num_splits (1 to 64 splits) can lead to, whatever the device.
-MERGE_PADS = sorted({merge_pad(s) for s in range(1, 65)})
+# Every split tile default_num_splits (1 to MAX_SPLITS splits) can lead to, whatever the device.
+MERGE_PADS = sorted({merge_pad(s) for s in range(1, MAX_SPLITS + 1)})
 
 
 def decode_shapes(
@@ -234,10 +248,11 @@ def decode_shapes(
     every merge variant a batch of up to `max_num_seqs` and `max_blocks` can pick (the
     worker's warm-up runs each, so that no later step compiles one).
 
-    default_num_splits falls with the number of sequences and rises with the table width, so
-    each of its values is reached by one sequence at some width or by more sequences at the
-    widest table: walking those two edges finds them all. Widest first, so that a shape's
-    table holds a block and a half of context where it can.
+    default_num_splits is min(want(num_seqs), tiles(width)): each value is reached by one
+    sequence at some width (tiles binds) or by that many at the widest table (want binds), so
+    walking those two edges finds them all. A windowed layer takes min(that, tiles(window));
+    merge_pad is monotone, so it picks the same tile as in the step listed for the full
+    layers'. Widest first, so that a shape's table holds a block and a half where it can.
     """
     tile = decode_launch(head_dim, dtype, num_heads // num_kv_heads, device.type == "cuda").keys
     edges = [(1, w) for w in range(max_blocks, 0, -1)] + [(n, max_blocks) for n in range(2, max_num_seqs + 1)]
@@ -245,6 +260,29 @@ def decode_shapes(
     for n, w in edges:
         shapes.setdefault(merge_pad(default_num_splits(n, num_kv_heads, w, block_size, tile, device)), (n, w))
     return shapes
+
+
+def _workspace_sizes(num_seqs: int, num_heads: int, head_dim: int, splits: int) -> tuple[int, int, int]:
+    parts = num_seqs * num_heads * splits  # [S, H, P]
+    return parts * head_dim, parts, parts  # acc [S, H, P, D], max, sum
+
+
+def decode_workspace(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    max_blocks: int,
+) -> int:
+    """Workspace elements a decode launch of this shape takes without a window (a window only
+    lowers the splits). Not monotone in num_seqs: splits fall in steps, so a smaller batch can
+    need more (at 132 SMs and 8 KV heads, 32 sequences x 2 splits against 40 x 1)."""
+    tile = decode_launch(head_dim, dtype, num_heads // num_kv_heads, device.type == "cuda").keys
+    splits = default_num_splits(num_seqs, num_kv_heads, max_blocks, block_size, tile, device)
+    return workspace.elements(*_workspace_sizes(num_seqs, num_heads, head_dim, splits))
 
 
 def paged_decode_attention(
@@ -277,13 +315,9 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     launch = decode_launch(head_dim, q.dtype, group, q.is_cuda)
     splits = num_splits or default_num_splits(
-        num_seqs, num_kv_heads, block_tables.shape[1], block_size, launch.keys, q.device
+        num_seqs, num_kv_heads, block_tables.shape[1], block_size, launch.keys, q.device, window
     )
-    capacity = block_tables.shape[1] * block_size
-    per_split = -(-capacity // splits)
-    per_split = -(-per_split // launch.keys) * launch.keys if num_splits is None else max(1, per_split)
-    parts = num_seqs * num_heads * splits
-    acc, maxes, sums = workspace(q.device, parts * head_dim, parts, parts)
+    acc, maxes, sums = workspace.workspace(q.device, *_workspace_sizes(num_seqs, num_heads, head_dim, splits))
     _decode_partial_kernel[(num_seqs, num_kv_heads, splits)](
         q,
         k_cache,
@@ -296,7 +330,6 @@ def paged_decode_attention(
         scale,
         softcap or 1.0,
         window,
-        per_split,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -2,15 +2,15 @@
 GPU) replay against eager execution.
 
 On CPU the padded inputs go through the model's Triton path in the interpreter, without a
-capture: the real rows' hidden states must equal the eager step's, so padding rows (slot -1,
-one key of block 0, token 0 at position 0) disturb nothing.
+capture, read from the static buffers DecodeGraphs.upload fills: the real rows' hidden states
+must equal the eager step's, so padding rows (slot -1, one key of block 0, token 0 at
+position 0) and the table columns an earlier, wider step left disturb nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -19,7 +19,7 @@ from common.config import CacheConfig, WorkerConfig
 from tests.conftest import KERNEL_DEVICE
 from tests.plans import Feed, make_plan
 from worker_svc.layers.triton_attention import TritonAttentionMetadata
-from worker_svc.step.cuda_graphs import fits, stage
+from worker_svc.step.cuda_graphs import DecodeGraphs, fits, stage
 from worker_svc.step.runner import ModelRunner
 from worker_svc.step.step_buckets import graph_buckets
 
@@ -51,9 +51,24 @@ def test_staged_inputs_pad_inertly() -> None:
     assert s.input_ids.tolist() == [10, 11, 12, 0] and s.positions.tolist() == [3, 9, 16, 0]
     # Slot of each token: its position's block in its table; padding stores nowhere.
     assert s.slot_mapping.tolist() == [5 * 8 + 3, 7 * 8 + 1, 6 * 8 + 0, -1]
-    assert s.block_tables.shape == (4, 5) and s.block_tables[2].tolist() == [1, 4, 6, 0, 0]
-    assert s.block_tables[3].tolist() == [0] * 5 and s.seq_lens.tolist() == [4, 10, 17, 1]
+    # The plan's three columns, not the graphs' five; padding rows attend to block 0.
+    assert s.block_tables.tolist() == [[5, 0, 0], [2, 7, 0], [1, 4, 6], [0, 0, 0]]
+    assert s.seq_lens.tolist() == [4, 10, 17, 1]
     assert s.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_staged_tables_follow_the_plans_width_not_the_graphs() -> None:
+    """Only the plan's columns are built and uploaded: at 256 sequences in graphs 8192 blocks
+    wide, a whole-width table is 8 MiB a step."""
+    graphs_width = 8192
+    for width in (1, 3, 64):
+        plan = decodes(0, [BLOCK * width - 1] * 256, [list(range(i, i + width)) for i in range(256)])
+        s = stage(plan, bucket=256, width=graphs_width, block_size=BLOCK)
+        assert s.block_tables.shape == (256, width) and s.block_tables.nbytes == 256 * width * 4
+        # Each sequence's last token sits in the last block of its table.
+        assert s.slot_mapping[:3].tolist() == [(i + width - 1) * BLOCK + BLOCK - 1 for i in range(3)]
+    with pytest.raises(ValueError, match="more than the graphs'"):
+        stage(decodes(0, [3], [[1, 2, 3]]), bucket=1, width=2, block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +114,25 @@ def test_padded_static_inputs_give_the_eager_hidden_states(triton_runner: ModelR
     for (k, v), (k0, v0) in zip(runner.kv.layers, kv_before):  # the same step again, padded
         k.copy_(k0)
         v.copy_(v0)
-    bucket = fits(plan, graph_buckets(8), width=8)
+    buckets = graph_buckets(8)
+    bucket = fits(plan, buckets, width=8)
     assert bucket == 4
-    s = stage(plan, bucket, width=8, block_size=BLOCK)
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
-
-    static_meta = TritonAttentionMetadata(
-        slot_mapping=t(s.slot_mapping),
-        block_tables=t(s.block_tables),
-        seq_lens=t(s.seq_lens),
-        query_start_loc=t(s.query_start_loc),
-        decode_only=True,
+    graphs = DecodeGraphs(
+        lambda ids, positions, meta: runner.model(ids, positions, runner.kv.layers, meta),
+        TritonAttentionMetadata,
+        buckets,
+        width=8,
+        block_size=BLOCK,
+        device=dev,
     )
-    padded = runner.model(t(s.input_ids), t(s.positions), runner.kv.layers, static_meta)
+    # An earlier step of wider tables leaves block ids in the columns this step does not write.
+    wider = decodes(0, [60] * 8, [[(i + j) % 15 + 1 for j in range(8)] for i in range(8)])
+    graphs.upload(stage(wider, 8, width=8, block_size=BLOCK))
+    s = stage(plan, bucket, width=8, block_size=BLOCK)
+    graphs.upload(s)
+    assert graphs._tables[:4, :2].tolist() == s.block_tables.tolist()
+    assert graphs._tables[0, 2:].tolist() == [(j % 15) + 1 for j in range(2, 8)]  # stale, never read
+    padded = runner.model(graphs._ids[:bucket], graphs._positions[:bucket], runner.kv.layers, graphs._meta(bucket))
     assert padded.shape[0] == 4
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=0)
     for (k, v), (k1, v1) in zip(runner.kv.layers, kv_eager):

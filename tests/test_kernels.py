@@ -145,7 +145,7 @@ def test_decode_attention_sliding_window_and_softcap(dtype: torch.dtype, window:
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125, window, softcap)
     plain = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     assert (want - plain).abs().max() > 0.05  # the window and the cap change the result
-    for splits in (None, 7):  # 7: splits wholly before the window are empty
+    for splits in (None, 7):  # 7: the short sequences leave splits past their end empty
         got = paged_decode_attention(
             q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=splits, window=window, softcap=softcap
         )

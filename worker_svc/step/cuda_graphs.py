@@ -10,13 +10,19 @@ addresses, so:
     feed token 0 at position 0 into slot -1 (stored nowhere) and attend to one key of block 0;
     their outputs are dropped;
   - the step's inputs are copied into static buffers the graphs read (sized for the largest
-    bucket, so every graph reads views of the same memory), block tables padded to the widest
-    table a sequence can have;
+    bucket, so every graph reads views of the same memory) through pinned staging slots; the
+    static block table is as wide as the widest table a sequence can have, but a step writes
+    only its plan's columns: the kernels never read a row past its seq_len, so the columns
+    beyond keep an earlier step's block ids, unread;
+  - the split-K workspace (kernels/workspace.py) is reserved for every bucket before the
+    first capture: a smaller bucket can take more splits, and a workspace that grew between
+    captures would leave the earlier graphs reading freed memory;
   - steps with prompts, more sequences than the largest bucket or a wider table run eagerly.
 
 The LM head and sampling stay outside the graph: which rows sample changes every step.
 `--enforce-eager` turns graphs off. Capture needs CUDA; `stage` (the host-side copy into the
-static buffers' layout) and the bucket choice are plain numpy, tested on CPU.
+static buffers' layout) and the bucket choice are plain numpy, and `upload` runs on CPU too:
+all three are tested there.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import structlog
 import torch
 
 from common.plan import StepPlan
+from kernels import workspace
+from worker_svc.device.host_copy import PinnedRing
 from worker_svc.step.step_buckets import Buckets
 
 log = structlog.get_logger(__name__)
@@ -37,14 +45,14 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class StagedDecode:
-    """One decode step's inputs in the graphs' layout: `bucket` rows, tables `width` wide."""
+    """One decode step's inputs in the graphs' layout: `bucket` rows, tables as wide as the plan's."""
 
     bucket: int
     num_seqs: int
     input_ids: np.ndarray  # int64 [bucket]
     positions: np.ndarray  # int64 [bucket]
     slot_mapping: np.ndarray  # int64 [bucket], -1 on padding rows
-    block_tables: np.ndarray  # int32 [bucket, width], 0 past each table (never read: seq_lens)
+    block_tables: np.ndarray  # int32 [bucket, the plan's width], 0 past each table and on padding rows
     seq_lens: np.ndarray  # int32 [bucket], 1 on padding rows
     query_start_loc: np.ndarray  # int32 [bucket + 1], one row each
 
@@ -58,11 +66,15 @@ def fits(plan: StepPlan, buckets: Buckets, width: int) -> int | None:
 
 
 def stage(plan: StepPlan, bucket: int, width: int, block_size: int) -> StagedDecode:
-    """The plan's decode step padded to `bucket` rows and `width` table columns."""
+    """The plan's decode step padded to `bucket` rows; its tables stay the plan's width (at
+    least one column: padding rows attend to block 0), which the graphs' `width` bounds."""
     n = plan.num_seqs
+    w = plan.block_tables.shape[1]
+    if w > width:
+        raise ValueError(f"block_tables: {w} columns, more than the graphs' {width}")
     positions = plan.context_lens.astype(np.int64)  # each sequence's one token sits there
-    tables = np.zeros((bucket, width), np.int32)
-    tables[:n, : plan.block_tables.shape[1]] = np.maximum(plan.block_tables, 0)
+    tables = np.zeros((bucket, max(w, 1)), np.int32)
+    tables[:n, :w] = np.maximum(plan.block_tables, 0)
     slots = np.full(bucket, -1, np.int64)
     slots[:n] = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
     ids = np.zeros(bucket, np.int64)
@@ -85,9 +97,10 @@ class DecodeGraphs:
         width: int,
         block_size: int,
         device: torch.device,
+        workspace_elements: Callable[[int], int] | None = None,  # n -> a decode step's (decode_workspace)
     ) -> None:
         self.buckets, self.width, self.block_size, self.device = buckets, width, block_size, device
-        self._forward, self._make_meta = forward, make_meta
+        self._forward, self._make_meta, self._workspace_elements = forward, make_meta, workspace_elements
         b = buckets.largest
         self._ids = torch.zeros(b, dtype=torch.int64, device=device)
         self._positions = torch.zeros(b, dtype=torch.int64, device=device)
@@ -97,6 +110,8 @@ class DecodeGraphs:
         self._starts = torch.arange(b + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._keep: list[Any] = []
+        # One slot per input: each is rewritten once a step, after its last upload has landed.
+        self._staging = PinnedRing(slots=5)
 
     def _meta(self, bucket: int) -> Any:
         return self._make_meta(
@@ -109,34 +124,49 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record every bucket's forward pass, largest first (smaller ones reuse its memory)."""
-        from kernels import workspace
+        """Record every bucket's forward pass, largest first (smaller ones reuse its memory).
 
+        Every bucket runs once before any capture (compiling its kernels and sizing the
+        workspace outside a graph), after the workspace is reserved for all of them when
+        `workspace_elements` says how much each takes: no capture may regrow the workspace.
+        """
+        order = sorted(self.buckets.sizes, reverse=True)
+        if self._workspace_elements is not None:
+            workspace.reserve(self.device, max(self._workspace_elements(b) for b in order))
+        for bucket in order:
+            self._forward(self._ids[:bucket], self._positions[:bucket], self._meta(bucket))
+        torch.cuda.synchronize(self.device)
+        reserved = workspace.buffer(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets.sizes, reverse=True):
+        for bucket in order:
             args = (self._ids[:bucket], self._positions[:bucket], self._meta(bucket))
-            self._forward(*args)  # warm-up: compiles kernels and sizes the workspace outside the graph
-            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._forward(*args)
             self._graphs[bucket] = (graph, hidden)
-        # The graphs read the split-K workspace where it was at capture: keep it alive even if
-        # an eager step grows a new one.
-        self._keep.append(workspace._buffers.get(self.device))
+        if workspace.buffer(self.device) is not reserved:
+            raise RuntimeError("the split-K workspace grew during CUDA graph capture")
+        # The graphs read the workspace where it was at capture: keep it alive even if an
+        # eager step grows a new one.
+        self._keep.append(reserved)
         log.info("cuda_graphs_captured", buckets=len(self._graphs), largest=self.buckets.largest, width=self.width)
+
+    def upload(self, staged: StagedDecode) -> None:
+        """Copy the staged step into the static buffers (queued), the tables into the columns
+        the plan has."""
+        b, w = staged.bucket, staged.block_tables.shape[1]
+        for buffer, values in (
+            (self._ids[:b], staged.input_ids),
+            (self._positions[:b], staged.positions),
+            (self._slots[:b], staged.slot_mapping),
+            (self._tables[:b, :w], staged.block_tables),
+            (self._seq_lens[:b], staged.seq_lens),
+        ):
+            self._staging.upload(values, self.device, out=buffer)
 
     def run(self, staged: StagedDecode) -> torch.Tensor:
         """Replay the staged step's bucket; the hidden states of its real rows [n, hidden]."""
-        b = staged.bucket
-        for buffer, values in (
-            (self._ids, staged.input_ids),
-            (self._positions, staged.positions),
-            (self._slots, staged.slot_mapping),
-            (self._tables, staged.block_tables),
-            (self._seq_lens, staged.seq_lens),
-        ):
-            buffer[:b].copy_(torch.from_numpy(values), non_blocking=True)
-        graph, hidden = self._graphs[b]
+        self.upload(staged)
+        graph, hidden = self._graphs[staged.bucket]
         graph.replay()
         return hidden[: staged.num_seqs]
