@@ -2,7 +2,8 @@
 
 Each token picks `top_k` experts (the router's choice, made in torch). The (token, choice)
 pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M rows, so
-that a program's rows all belong to one expert:
+that a program's rows all belong to one expert (BLOCK_M grows with the step's rows per expert,
+`moe_block_m`: 16 for decode batches, up to 128 for long prefill steps):
 
     sorted_ids [padded]   pair index t * top_k + j, or `pairs` (past every pair) as padding
     block_expert [blocks] the expert whose rows block b holds (num_experts: a spare block, all
@@ -28,7 +29,44 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, dot_precision, fail, native_dot
 
-BLOCK_M = 16
+BLOCK_M = 16  # the smallest tile: decode batches, where each expert holds a few rows
+# Every tile height is a compile variant of the kernel (a worker's warm-up runs one step per
+# value: moe_block_m_tokens), so there are few of them.
+BLOCK_MS = (BLOCK_M, 64, 128)
+
+
+def moe_block_ms() -> tuple[int, ...]:
+    """The BLOCK_M values `fused_moe` can launch with, smallest first."""
+    return BLOCK_MS
+
+
+def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
+    """The grouped GEMMs' BLOCK_M for a step of `tokens`: the largest tile that the mean
+    expert's rows (tokens * top_k / num_experts) fill at least twice, 16 below that.
+
+    Known on the host from shapes alone (the routing's counts stay on the device). Each block
+    reads its expert's weights once, so taller tiles read them fewer times and feed the tensor
+    cores wider products (64-row wgmma on Hopper); an expert pads its rows to whole tiles, half
+    a tile on average, which at two tiles a mean expert is about a fifth of the rows computed.
+    """
+    pairs = tokens * top_k
+    return max((m for m in BLOCK_MS if pairs >= 2 * m * num_experts), default=BLOCK_M)
+
+
+def moe_block_m_tokens(top_k: int, num_experts: int, max_tokens: int) -> dict[int, int]:
+    """BLOCK_M -> the fewest tokens whose step picks it, for each value a step of up to
+    `max_tokens` can pick: one warm-up step each compiles every variant."""
+    found: dict[int, int] = {}
+    for m in BLOCK_MS:
+        tokens = 1 if m == BLOCK_M else -(-2 * m * num_experts // top_k)
+        if tokens <= max_tokens and moe_block_m(tokens, top_k, num_experts) == m:
+            found[m] = tokens
+    return found
+
+
+def _num_warps(block_m: int) -> int:
+    # A 128-row tile over two warpgroups (64 rows of wgmma each), as the prefill kernel's tiles.
+    return 8 if block_m >= 128 else 4
 
 
 def align_by_expert(
@@ -128,6 +166,7 @@ def _grouped_gemm(
     block_expert: torch.Tensor,
     top_k: int,
     row_weights: torch.Tensor | None,
+    block_m: int,
 ) -> None:
     pairs, n = out.shape
     k = a.shape[1]
@@ -151,11 +190,12 @@ def _grouped_gemm(
         out.stride(0),
         TOP_K=top_k,
         SCALE_ROWS=row_weights is not None,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         NATIVE_DOT=native_dot(a.dtype),
         DOT_PRECISION=dot_precision(a.dtype),
+        num_warps=_num_warps(block_m),
     )
 
 
@@ -185,13 +225,15 @@ def fused_moe(
     out = torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    sorted_ids, block_expert = align_by_expert(topk_ids, experts)
+    block_m = moe_block_m(tokens, top_k, experts)
+    sorted_ids, block_expert = align_by_expert(topk_ids, experts, block_m)
     pairs = tokens * top_k
     gate_up = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, top_k, None)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, top_k, None, block_m)
     act = silu_and_mul(gate_up)  # [pairs, inter]
     down = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, sorted_ids, block_expert, 1, topk_weights.reshape(-1).float().contiguous())
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(act, w2, down, sorted_ids, block_expert, 1, weights, block_m)
     return down.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 
 

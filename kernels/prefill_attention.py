@@ -1,7 +1,7 @@
 """Causal attention of query chunks over the paged KV cache: prefill, chunks and decode mixed.
 
-Sequence i brings q_len_i = query_start_loc[i+1] - query_start_loc[i] query tokens, which are
-the last q_len_i of its seq_lens[i] tokens (its KV, this step's included, is in the cache):
+Sequence i brings q_len_i query tokens, rows start_i .. end_i - 1 of q, which are the last
+q_len_i of its seq_lens[i] tokens (its KV, this step's included, is in the cache):
 
     positions   0 ............ ctx-1 | ctx ........ seq_len-1      ctx = seq_len - q_len
                 cached earlier       | this step's queries
@@ -11,11 +11,18 @@ the last q_len_i of its seq_lens[i] tokens (its KV, this step's included, is in 
 That one rule serves a fresh prompt (ctx = 0), a later chunk of a long prompt, a prompt whose
 prefix came from the prefix cache, and decode (q_len = 1).
 
-    grid = (total_tokens // TILE_M + num_seqs, num_heads)
+The rows come as query_start_loc [seqs + 1] (sequences back to back: end_i = start_{i+1}) or
+as spans [2, seqs] (starts, then ends): a subset of a step's sequences, in order, over the
+step's whole q, so that a mixed step's decodes can go to the decode kernel without the
+prompt chunks' q being copied out. Either way the kernel reads end_i `ends_at` entries after
+start_i, from one int32 pointer.
+
+    grid = (q.shape[0] // TILE_M + num_seqs, num_heads)
 
 Query tiles never straddle two sequences: sequence i owns tiles starting at
-query_start_loc[i] // TILE_M + i, and a program finds its sequence by binary search over
-query_start_loc, so the grid depends on tensor shapes only (no host read of the lengths).
+start_i // TILE_M + i, and a program finds its sequence by binary search over the starts, so
+the grid depends on tensor shapes only (no host read of the lengths). Starts ascend and
+end_i <= start_{i+1}, so rows between the spans only leave tiles that no sequence fills.
 Programs past the end of their sequence's tiles do nothing.
 """
 
@@ -63,10 +70,11 @@ def prefill_launch(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Launch:
     return Launch(rows=128, keys=32 if wide else 64, num_warps=8, num_stages=3)
 
 
-# The number of sequences and the block-table width (stride_bt) follow the batch: not
-# specialised (Triton would compile a variant for 1 and for multiples of 16), so every step
-# of a model runs one compiled kernel.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# The number of sequences, the block-table width (stride_bt) and where the ends are (ends_at:
+# 1 back to back, the span count for spans) follow the batch: not specialised (Triton would
+# compile a variant for 1 and for multiples of 16), so every step of a model runs one
+# compiled kernel.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "ends_at"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -79,6 +87,7 @@ def _prefill_kernel(
     softcap,
     window,
     num_seqs,
+    ends_at,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -114,7 +123,7 @@ def _prefill_kernel(
         hi = tl.where(first_tile <= tile, hi, mid - 1)
     seq = lo
     q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_len = tl.load(query_start_ptr + ends_at + seq) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
     row0 = (tile - (q_start // TILE_M + seq)) * TILE_M
@@ -183,6 +192,17 @@ def _prefill_kernel(
     )
 
 
+def _check_query_rows(query_start_loc: torch.Tensor, num_seqs: int, device: torch.device) -> int:
+    """How many entries after a sequence's start its end is (the kernel's ends_at)."""
+    spans = isinstance(query_start_loc, torch.Tensor) and query_start_loc.dim() == 2
+    check_tensor("query_start_loc", query_start_loc, 2 if spans else 1, (torch.int32,), device=device)
+    if not spans:
+        check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+        return 1
+    check_shape("query_start_loc", query_start_loc, (2, num_seqs))
+    return query_start_loc.stride(0)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,13 +217,14 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring).
 
+    `query_start_loc`: int32 [num_seqs + 1], or spans int32 [2, num_seqs] (first rows, then
+    ends, ascending and disjoint); with spans only the rows they cover are written in `out`.
     `window` > 0: each query sees its last `window` positions; `softcap` > 0: scores (after
     `scale`) become softcap * tanh(score / softcap)."""
     num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
     total, _, head_dim = q.shape
     num_seqs = block_tables.shape[0]
-    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), device=q.device)
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    ends_at = _check_query_rows(query_start_loc, num_seqs, q.device)
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
         return out
@@ -221,6 +242,7 @@ def paged_prefill_attention(
         softcap or 1.0,
         window,
         num_seqs,
+        ends_at,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -258,12 +280,17 @@ def paged_prefill_attention_reference(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """float32 reference with an explicit causal (and sliding-window) mask per sequence."""
+    """float32 reference with an explicit causal (and sliding-window) mask per sequence; rows
+    outside the spans (when `query_start_loc` is [2, num_seqs]) are 0."""
     total, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(total, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    if query_start_loc.dim() == 2:
+        starts, ends = query_start_loc[0], query_start_loc[1]
+    else:
+        starts, ends = query_start_loc[:-1], query_start_loc[1:]
     for i in range(block_tables.shape[0]):
-        a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        a, b = int(starts[i]), int(ends[i])
         n = int(seq_lens[i])
         if b == a:
             continue

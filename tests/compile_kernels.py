@@ -26,7 +26,8 @@ from kernels.activation import BLOCK as SILU_BLOCK
 from kernels.activation import _silu_and_mul_kernel
 from kernels.checks import dot_precision, pow2
 from kernels.fused_moe import BLOCK_M as MOE_BLOCK_M
-from kernels.fused_moe import _grouped_gemm_kernel
+from kernels.fused_moe import _grouped_gemm_kernel, moe_block_ms
+from kernels.fused_moe import _num_warps as moe_num_warps
 from kernels.kv_store import _store_kv_kernel
 from kernels.lora import BLOCK_K as LORA_BLOCK_K
 from kernels.lora import BLOCK_M as LORA_BLOCK_M
@@ -234,22 +235,41 @@ def token_mask_case(dtype: str, vocab: int = 49152) -> Case:
     return Case(name, _token_bitmask_kernel, dtype, dict(BLOCK=TOKEN_MASK_BLOCK), aligned=frozenset(aligned))
 
 
-def moe_cases(dtype: str) -> list[Case]:
+def moe_cases(dtype: str, block_ms: tuple[int, ...] = moe_block_ms()) -> list[Case]:
     """The two grouped GEMMs of a mixture-of-experts block: gate/up (A rows per top_k pairs),
-    then down with the routing weights."""
+    then down with the routing weights, at each row tile a step can pick (fused_moe.moe_block_m)."""
     torch_dtype = TORCH_DTYPES[dtype]
-    common = dict(
-        BLOCK_M=MOE_BLOCK_M,
-        BLOCK_N=64,
-        BLOCK_K=64,
-        NATIVE_DOT=dtype != "fp32",
-        DOT_PRECISION=dot_precision(torch_dtype),
-    )
     aligned = strides(_grouped_gemm_kernel) | {"k"}
-    return [
-        Case("moe_gate_up", _grouped_gemm_kernel, dtype, dict(TOP_K=2, SCALE_ROWS=False, **common), aligned=aligned),
-        Case("moe_down", _grouped_gemm_kernel, dtype, dict(TOP_K=1, SCALE_ROWS=True, **common), aligned=aligned),
-    ]
+    out = []
+    for block_m in block_ms:
+        common = dict(
+            BLOCK_M=block_m,
+            BLOCK_N=64,
+            BLOCK_K=64,
+            NATIVE_DOT=dtype != "fp32",
+            DOT_PRECISION=dot_precision(torch_dtype),
+        )
+        suffix = "" if block_m == MOE_BLOCK_M else f"-m{block_m}"
+        warps = moe_num_warps(block_m)
+        out += [
+            Case(
+                f"moe_gate_up{suffix}",
+                _grouped_gemm_kernel,
+                dtype,
+                dict(TOP_K=2, SCALE_ROWS=False, **common),
+                num_warps=warps,
+                aligned=aligned,
+            ),
+            Case(
+                f"moe_down{suffix}",
+                _grouped_gemm_kernel,
+                dtype,
+                dict(TOP_K=1, SCALE_ROWS=True, **common),
+                num_warps=warps,
+                aligned=aligned,
+            ),
+        ]
+    return out
 
 
 def lora_cases(dtype: str, hidden: int = 4096, rank: int = 64) -> list[Case]:
@@ -317,7 +337,7 @@ def cases() -> list[Case]:
     for dtype in ("bf16", "fp32"):
         out += [c for c in attention_cases(80, dtype) if not c.name.startswith("decode_merge")]
     out += [attention_cases(128, "bf16")[1], *layer_cases(80, "bf16")[:1], layer_cases(128, "bf16")[1]]
-    out += [hidden_cases(1000, "bf16")[1], silu_case("bf16"), *moe_cases("bf16")]
+    out += [hidden_cases(1000, "bf16")[1], silu_case("bf16"), *moe_cases("bf16", (MOE_BLOCK_M,))]
     out += [token_mask_case("bf16", vocab=49155), token_mask_case("fp32")]
     out += [*lora_cases("bf16", hidden=1000, rank=8), *lora_cases("fp32")]
     return out
