@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint format typecheck protos bench clean
+.PHONY: install run test lint format typecheck protos bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,16 @@ bench: install $(VLLM_PY)
 	$(PY) benchmarks/throughput.py --vllm-python $(VLLM_PY) --repeat 3 $(ARGS)
 	$(PY) benchmarks/step_overlap.py
 	$(PY) benchmarks/scheduler_bench.py
+
+# On a machine with a GPU: the measurements, the parity checks against transformers and then
+# the kernel tests, inside GPU_BUDGET_S seconds, into GPU_CHECK_OUT (docs/benchmarks.md, the GPU
+# check). An image that has torch but no network: make gpu-check GPU_PY=python3 (no .venv).
+GPU_PY        ?= $(PY)
+GPU_BUDGET_S  ?= 480
+GPU_CHECK_OUT ?= gpu_check.json
+
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),install)
+	$(GPU_PY) benchmarks/gpu_check.py --budget-s $(GPU_BUDGET_S) --out $(GPU_CHECK_OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
