@@ -5,6 +5,9 @@
   min-p and alternatives, and prompt log-probabilities; on the torch attention path also
   `max_num_seqs` rows decoding at the longest context. Run here on the CPU with the CUDA
   memory calls faked: the profile must execute those plans, whole.
+- With CUDA graphs, the profile also keeps back what the decode graphs will hold, from a trial
+  capture of the largest bucket (faked here); the budget's arithmetic is a pure function. With
+  adapter slots, the probes run through an empty slot posing as an adapter, left empty after.
 - On CUDA a warm-up runs a prompt step and decode steps (one per merge tile) before serving,
   so Triton compiles the decode kernels then, not in the first requests' steps (here through
   the interpreter, counting decode-kernel launches).
@@ -16,7 +19,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,17 +30,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.config import CacheConfig, WorkerConfig
+from common.config import CacheConfig, LoraConfig, WorkerConfig
 from common.plan import SamplingBatch, StepPlan, StepResult
 from kernels.paged_attention import MERGE_PADS
 from worker_svc.layers import triton_attention as backend
 from worker_svc.sampling.logits_processor import process_logits
 from worker_svc.sampling.logprobs import logprob_tensors
 from worker_svc.sampling.sampler import sample
-from worker_svc.step import kv_cache
+from worker_svc.step import kv_cache, runner_setup
 from worker_svc.step import runner as runner_module
-from worker_svc.step.probe_plans import PROFILE_LOGPROBS, heaviest_step, widest_decode_step
+from worker_svc.step.probe_plans import PROFILE_LOGPROBS, heaviest_step, prompt_rows, widest_decode_step
 from worker_svc.step.runner import ModelRunner
+from worker_svc.step.runner_setup import kv_budget
+from worker_svc.step.step_buckets import Buckets
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +134,84 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     assert runner._last_sampled == {}  # noqa: SLF001 (nothing of the probe carries over)
 
 
+def test_the_kv_budget_is_what_the_weights_the_step_the_graphs_and_others_leave() -> None:
+    total, free, allocated = 100 * MIB, 60 * MIB, 30 * MIB  # 10 MiB held elsewhere
+    assert kv_budget(total, free, allocated, 0.9, 40 * MIB, 0) == 90 * MIB - 10 * MIB - 40 * MIB
+    assert kv_budget(total, free, allocated, 0.9, 40 * MIB, 15 * MIB) == 25 * MIB
+    assert kv_budget(total, free, allocated, 0.5, 40 * MIB, 15 * MIB) == 0.0  # never below 0
+    assert kv_budget(total, total, 0, 1.0, 0, 0) == total  # an empty device, all of it
+
+
+class _FakeGraphs:
+    """DecodeGraphs without CUDA: a capture reserves 1 MiB per bucket, plus 2 MiB for the
+    largest (its pool); what the trial and the real capture asked for is recorded."""
+
+    reserved = 0
+    captured: list[tuple[int, ...]] = []
+
+    def __init__(self, forward: Any, make_meta: Any, buckets: Buckets, width: int, *rest: Any) -> None:
+        self.buckets, self.width = buckets, width
+
+    def capture(self) -> None:
+        _FakeGraphs.captured.append(self.buckets.sizes)
+        _FakeGraphs.reserved += (2 + len(self.buckets.sizes)) * MIB
+
+
+def test_the_memory_profile_keeps_back_what_the_decode_graphs_hold(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
+    monkeypatch.setattr(ModelRunner, "_use_graphs", lambda self: True)
+    monkeypatch.setattr(runner_setup, "DecodeGraphs", _FakeGraphs)
+    monkeypatch.setattr(_FakeGraphs, "captured", [])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: _FakeGraphs.reserved)
+    logged: dict[str, dict[str, Any]] = {}
+    # The loggers are cached at first use (tests/conftest.py configures structlog so): replaced whole.
+    monkeypatch.setattr(runner_setup, "log", SimpleNamespace(info=lambda event, **kw: logged.setdefault(event, kw)))
+    runner = ModelRunner(_profiled_config(model_dir))
+    # The trial: the largest bucket alone (max_num_seqs); then every bucket, for serving.
+    assert _FakeGraphs.captured[0] == (24,) and _FakeGraphs.captured[1][-1] == 24
+    assert len(_FakeGraphs.captured) == 2 and len(_FakeGraphs.captured[1]) > 1
+    assert (
+        runner.graph_pool_bytes == 3 * MIB and runner.captured_graph_bytes == (2 + len(_FakeGraphs.captured[1])) * MIB
+    )
+    probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(
+        runner.shape, 16, runner.dtype
+    )
+    budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache) - 3 * MIB  # as without graphs, less the pool
+    assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
+    assert logged["kv_profiled"]["graph_pool_gib"] == round(3 * MIB / kv_cache.GIB, 3)
+    held = (2 + len(_FakeGraphs.captured[1])) * MIB  # what the real capture held, to compare with the trial's
+    assert logged["cuda_graphs_memory"]["held_gib"] == round(held / kv_cache.GIB, 3)
+    assert logged["cuda_graphs_memory"]["profiled_gib"] == round(3 * MIB / kv_cache.GIB, 3)
+
+
+def test_with_adapter_slots_the_probes_run_adapted_and_leave_the_slots_empty(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executed = _Executed(monkeypatch)
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
+    active: list[frozenset[int]] = []  # the slots each forward pass's linears adapted through
+    begin_step = runner_setup.LoraSlots.begin_step
+
+    def recorded(self: Any, token_slots: Any) -> None:
+        begin_step(self, token_slots)
+        active.append(self.step.active)
+
+    monkeypatch.setattr(runner_setup.LoraSlots, "begin_step", recorded)
+    config = dataclasses.replace(_profiled_config(model_dir), lora=LoraConfig(max_loras=2, max_lora_rank=8))
+    runner = ModelRunner(config)
+    assert len(executed.steps) == 2 and all((p.lora_slots == 0).all() for p, _ in executed.steps)
+    assert active == [frozenset({0}), frozenset()] * 2  # each probe adapted, then the step's slots cleared
+    slots = runner.lora
+    assert slots is not None and slots.loaded == [None, None] and slots.targets == [frozenset()] * 2
+    assert not slots.step.active and slots.ranks == [0, 0]
+    with pytest.raises(runner_module.PlanError, match="holds no adapter"):
+        runner.execute(dataclasses.replace(executed.steps[0][0], step_id=5))
+
+
 def test_a_probe_that_does_not_fit_says_what_to_lower(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda_memory(monkeypatch)
     monkeypatch.setattr(ModelRunner, "_profiles_memory", lambda self: True)
@@ -147,6 +232,19 @@ def test_the_widest_decode_is_a_valid_plan_within_the_cache() -> None:
     plan.validate()
     assert plan.block_tables.shape == (8, 7) and plan.block_tables.max() == 2 and plan.block_tables.min() == 0
     assert (plan.context_lens == 100).all() and plan.num_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("tokens", "rows", "max_len", "want"),
+    [(1024, 16, 4096, [64] * 16), (10, 4, 64, [3, 3, 2, 2]), (300, 2, 100, [100] * 3)],
+)
+def test_the_long_prompts_spread_over_the_rows_a_step_may_have(
+    tokens: int, rows: int, max_len: int, want: list[int]
+) -> None:
+    plan = prompt_rows(tokens, rows, max_len, 16, 300, num_blocks=5)
+    plan.validate()
+    assert plan.query_lens.tolist() == want and (plan.context_lens == 0).all() and plan.sample.all()
+    assert plan.block_tables.shape[1] * 16 >= max(want) and 0 <= plan.block_tables.min() <= plan.block_tables.max() < 5
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), [(96, 24), (2048, 256), (5, 256), (1, 1), (300, 1)])

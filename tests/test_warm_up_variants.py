@@ -10,13 +10,15 @@ binder for an sm_90 target, the function `JITFunction.run` looks its kernel cach
 A worker warms up as on CUDA, then runs steps of other shapes (numbers of sequences,
 block-table widths, context lengths, token counts, a chunk beside decodes), with the split
 heuristic seeing an H200's 132 SMs; every key those steps launch must be one the warm-up
-launched. The model is a mixture of experts, so the grouped GEMMs are among the kernels.
+launched. The model is a mixture of experts, so the grouped GEMMs are among the kernels, in
+each of their row tiles. (With LoRA: tests/test_warm_up_lora.py.)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,11 +64,15 @@ STEPS: list[tuple[list[tuple[int, int]], int | None]] = [
     ([(0, 16), (0, 16)], None),
     ([(32, 16)] + [(3, 1)] * (MAX_NUM_SEQS - 1), None),
     ([(0, 9), (100, 1), (17, 1)], 17),
+    # Rows per expert that pick the grouped GEMMs' taller tiles (kernels.fused_moe.moe_block_m):
+    ([(0, 65)] * 4, None),  # 130, the 64-row tile
+    ([(0, 64)] * 8 + [(3, 1)], None),  # 256.5, the 128-row tile, a decode beside the prompts
 ]
 
 
 def _model(path: Path) -> Path:
-    """Mixtral with one expert per token: a step of one token is one (token, expert) pair."""
+    """Mixtral with one expert per token, of two: a step of one token is one (token, expert)
+    pair, and 256 tokens fill the 64-row tile (twice, for the mean expert)."""
     torch.manual_seed(0)
     cfg = MixtralConfig(
         vocab_size=300,
@@ -76,7 +82,7 @@ def _model(path: Path) -> Path:
         num_attention_heads=6,  # head_dim 16: the decode workspace's views start at odd sizes
         num_key_value_heads=2,
         max_position_embeddings=4096,  # 256 blocks: tables wide enough for 64 splits
-        num_local_experts=4,
+        num_local_experts=2,
         num_experts_per_tok=1,
         sliding_window=None,
         initializer_range=0.3,
@@ -91,13 +97,13 @@ def _unspecialised(kernel: Any, option: str = "do_not_specialize") -> list[int |
     return list(given or ())
 
 
-class _Keys:
+class KernelKeys:
     """Records each launch's specialisation key, by kernel, and runs the launch."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, kernels: tuple[Any, ...] = KERNELS) -> None:
         self.keys: dict[str, set[str]] = defaultdict(set)
         backend = make_backend(GPUTarget("cuda", 90, 32))
-        for kernel in KERNELS:
+        for kernel in kernels:
             options = {k: _unspecialised(kernel, k) for k in ("do_not_specialize", "do_not_specialize_on_alignment")}
             jit = JITFunction(kernel.fn, **options)
             binder = create_function_from_signature(jit.signature, jit.params, backend)
@@ -116,7 +122,7 @@ class _Keys:
         return keys
 
 
-def _plan(seqs: list[tuple[int, int]], width: int | None) -> StepPlan:
+def step_plan(seqs: list[tuple[int, int]], width: int | None) -> StepPlan:
     n = len(seqs)
     context = np.array([c for c, _ in seqs], np.int32)
     query = np.array([q for _, q in seqs], np.int32)
@@ -149,7 +155,7 @@ def _plan(seqs: list[tuple[int, int]], width: int | None) -> StepPlan:
 def test_steps_after_the_warm_up_launch_no_kernel_variant_it_did_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    recorder = _Keys(monkeypatch)
+    recorder = KernelKeys(monkeypatch)
     monkeypatch.setattr(paged_attention, "_parallel_units", lambda device: 2 * 132)
     monkeypatch.setattr(ModelRunner, "_warms_up", lambda self: True)
     runner = ModelRunner(
@@ -164,7 +170,7 @@ def test_steps_after_the_warm_up_launch_no_kernel_variant_it_did_not(
     )
     warmed = recorder.take()
     for seqs, width in STEPS:
-        runner.execute(_plan(seqs, width))
+        runner.execute(step_plan(seqs, width))
     later = recorder.take()
     assert set(later) == {k.fn.__name__ for k in KERNELS}  # every kernel ran in those steps
     new = {name: keys - warmed.get(name, set()) for name, keys in later.items()}
@@ -195,6 +201,7 @@ def test_every_rank_runs_as_many_warm_up_steps_whatever_its_gpu(
         device=torch.device("cpu"),
         config=SimpleNamespace(max_num_seqs=256),
     )
+    runner._decode_layout = partial(ModelRunner._decode_layout, runner)  # type: ignore[arg-type]
     counts, reached = set(), []
     for sms in (16, 78, 132, 264):
         monkeypatch.setattr(paged_attention, "_parallel_units", lambda device, sms=sms: 2 * sms)

@@ -1,7 +1,9 @@
 """Plans a worker runs on itself before it serves: the heaviest step it can be sent, whose
 memory peak sizes the KV cache on CUDA (with the torch attention path, also the widest
 decode, whose gathered contexts can outweigh it), and a small decode step that compiles the
-decode kernels before the first request needs them.
+decode kernels before the first request needs them, beside prompt steps long enough for the
+experts' taller row tiles (`prompt_rows`). Where the worker has adapter slots they also run
+through one (`through_slot`): the empty slot `zero_adapter` passes off as an adapter.
 
 The heaviest step is the one the scheduler can build at the worker's limits: a prompt chunk
 filling the token budget beside as many other rows as `max_num_seqs` allows, every row
@@ -13,10 +15,13 @@ a client may ask (`PROFILE_LOGPROBS`), and prompt log-probabilities of the chunk
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
 from common.plan import SamplingBatch, StepPlan
+from worker_svc.lora.lora_slots import TARGETS, LoraSlots
 
 # The scheduler's default --max-logprobs; beam search asks 2 x beam_width, as many at 10 beams.
 PROFILE_LOGPROBS = 20
@@ -80,7 +85,7 @@ def decode_step(block_size: int, vocab_size: int, num_seqs: int = 1, width: int 
     context = min(block_size + block_size // 2, width * block_size - 1)
     tables = np.full((num_seqs, width), -1, np.int32)
     tables[:, : min(width, 2)] = np.arange(min(width, 2), dtype=np.int32)
-    return _greedy_decode(tables, context, vocab_size)
+    return _greedy(tables, np.ones(num_seqs, np.int32), context, vocab_size)
 
 
 def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int, num_blocks: int) -> StepPlan:
@@ -89,9 +94,23 @@ def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int
     to the longest). The block tables cycle over `num_blocks` blocks, since the gather's size
     depends on the table widths, not on which blocks they name."""
     width = -(-(context + 1) // block_size)
-    return _greedy_decode(
-        (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width), context, vocab_size
-    )
+    tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
+    return _greedy(tables, np.ones(rows, np.int32), context, vocab_size)
+
+
+def prompt_rows(
+    tokens: int, max_rows: int, max_len: int, block_size: int, vocab_size: int, num_blocks: int
+) -> StepPlan:
+    """A step of `tokens` prompt tokens spread evenly over up to `max_rows` rows (more only
+    where a row would pass `max_len`, the model's context), each row's last one sampled
+    greedily: short rows keep the causal attention's work small. The tables cycle over the
+    cache's `num_blocks`: before a worker serves, what its keys overwrite is no sequence's."""
+    rows = max(min(max_rows, tokens), -(-tokens // max_len))
+    query_lens = np.full(rows, tokens // rows, np.int32)
+    query_lens[: tokens % rows] += 1
+    width = -(-int(query_lens.max()) // block_size)
+    tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
+    return _greedy(tables, query_lens, 0, vocab_size)
 
 
 def with_open_masks(plan: StepPlan, vocab_size: int) -> StepPlan:
@@ -106,15 +125,41 @@ def with_open_masks(plan: StepPlan, vocab_size: int) -> StepPlan:
     return dataclasses.replace(plan, sampling=sampling)
 
 
-def _greedy_decode(tables: np.ndarray, context: int, vocab_size: int) -> StepPlan:
-    """One greedy token for each row of `tables`, after `context` cached tokens."""
+def through_slot(plan: StepPlan, slot: int) -> StepPlan:
+    """`plan` with every row through the adapter in LoRA slot `slot` (loaded before: the plan
+    loads nothing), so the LoRA kernels compile and allocate in it as in an adapted step."""
+    return dataclasses.replace(plan, lora_slots=np.full(plan.num_seqs, slot, np.int32))
+
+
+@contextmanager
+def zero_adapter(lora: LoraSlots) -> Iterator[int]:
+    """Slot 0 passed off as an adapter of every module at the slots' rank, before any load:
+    the LoRA kernels do their whole work (memory, compiles) and add 0, as an unfilled slot
+    holds zero weights and scale. After it the slot is empty again (a plan naming it without
+    a load is refused) and the step's slots are cleared: the decode graphs, captured after
+    the probes and the warm-up, would record an adapted linear."""
+    if any(held is not None for held in lora.loaded):
+        raise RuntimeError("a zero adapter needs adapter slots that no load has filled")
+    slot = 0
+    lora.loaded[slot], lora.targets[slot] = ("", 0), frozenset(TARGETS)
+    lora.ranks[slot] = lora.config.max_lora_rank  # the torch path's products at full size
+    try:
+        yield slot
+    finally:
+        lora.loaded[slot], lora.targets[slot], lora.ranks[slot] = None, frozenset(), 0
+        lora.begin_step(None)
+
+
+def _greedy(tables: np.ndarray, query_lens: np.ndarray, context: int, vocab_size: int) -> StepPlan:
+    """Each row of `tables` feeding its `query_lens` tokens after `context` cached ones, its
+    last one sampled greedily."""
     n = tables.shape[0]
     return StepPlan(
         step_id=0,
         seq_ids=np.arange(n, dtype=np.int64),
-        query_lens=np.ones(n, np.int32),
+        query_lens=query_lens,
         context_lens=np.full(n, context, np.int32),
-        input_ids=np.full(n, min(1, vocab_size - 1), np.int32),
+        input_ids=np.full(int(query_lens.sum()), min(1, vocab_size - 1), np.int32),
         block_tables=tables,
         sample=np.ones(n, np.uint8),
         sampling=SamplingBatch(

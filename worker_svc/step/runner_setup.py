@@ -12,7 +12,9 @@ OpenMP team for loading, warm-up and steps alike).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -20,9 +22,11 @@ import torch
 from common.config import WorkerConfig
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
+from kernels import workspace
+from kernels.fused_moe import BLOCK_M, moe_block_m_tokens
 from kernels.limits import max_tokens_per_step
-from kernels.paged_attention import MERGE_PADS, decode_shapes
-from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device
+from kernels.paged_attention import MERGE_PADS, decode_shapes, decode_workspace
+from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device, dist_backend
 from worker_svc.layers.replicated import cpu_kernels_for
 from worker_svc.layers.triton_attention import TritonAttentionMetadata
 from worker_svc.lora.lora_slots import LoraSlots
@@ -38,11 +42,21 @@ from worker_svc.step.loader import (
     resolve_device,
     resolve_dtype,
 )
-from worker_svc.step.probe_plans import decode_step, heaviest_step, widest_decode_step, with_open_masks
-from worker_svc.step.step_buckets import gemm_buckets, graph_buckets
+from worker_svc.step.probe_plans import (
+    decode_step,
+    heaviest_step,
+    prompt_rows,
+    through_slot,
+    widest_decode_step,
+    with_open_masks,
+    zero_adapter,
+)
+from worker_svc.step.step_buckets import Buckets, gemm_buckets, graph_buckets
 from worker_svc.step.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def triton_token_limit(hf_config: Any) -> int:
@@ -57,6 +71,31 @@ def triton_token_limit(hf_config: Any) -> int:
         head_dim=head_dim_of(hf_config),
         intermediate_size=int(text.intermediate_size),
     )
+
+
+def kv_budget(total: int, free: int, allocated: int, utilization: float, step_peak: int, graph_pool: int) -> float:
+    """Bytes for the KV cache: `utilization` of the device's `total`, less what is in use
+    elsewhere (total - free - allocated, read after the probes with the caches emptied: other
+    processes, the CUDA context), less `step_peak` (the weights and the heaviest step's peak),
+    less `graph_pool` (what the decode graphs, captured after the cache, will hold); >= 0."""
+    in_use_elsewhere = total - free - allocated
+    return max(total * utilization - in_use_elsewhere - step_peak - graph_pool, 0.0)
+
+
+def reserved_growth(device: torch.device, run: Callable[[], T]) -> tuple[T, int]:
+    """`run()`'s result and the device memory torch reserves more after it, with both caches
+    emptied: what it keeps (a graph's pool, a grown workspace), not what it used and freed."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    out = run()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return out, torch.cuda.memory_reserved(device) - before
+
+
+def _workspace_bytes(device: torch.device) -> int:
+    buf = workspace.buffer(device)
+    return 0 if buf is None else buf.numel() * buf.element_size()
 
 
 class RunnerSetup(ABC):
@@ -110,6 +149,8 @@ class RunnerSetup(ABC):
         self.block_size = config.cache.block_size
         self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)
         self.profiled_peak_bytes: int | None = None  # the heaviest step's, when CUDA memory was profiled
+        self.graph_pool_bytes: int | None = None  # what the profile's trial capture held, less the workspace
+        self.captured_graph_bytes: int | None = None  # and what serving's capture held
         num_blocks = self._kv_capacity()
         self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
         log.info(
@@ -141,18 +182,43 @@ class RunnerSetup(ABC):
 
     def _warm_up(self) -> None:
         """A prompt step, then a decode step for each compiled variant of the decode kernels a
-        step can pick (_warm_up_decodes), in blocks 0-1, before any sequence owns them."""
+        step can pick (_warm_up_decodes), in blocks 0-1, and the experts' longer prompts
+        (_warm_up_moe_tokens), before any sequence owns a block; with adapter slots, the
+        prompt and the first decode again through an adapter.
+
+        A LoRA launch's key follows its layer (features, its part's place in the output) and
+        the slots' shape (max_loras, max_lora_rank), not the step: token counts, splits and
+        chunks are unspecialised (kernels/lora.py), ranks padded to the slots', and a step's
+        adapters share its launches. One adapter of every module compiles them all."""
         if self.kv.num_blocks < 2:
             return
-        context = self.block_size + self.block_size // 2
-        prompt, _ = heaviest_step(context, 1, self.block_size, self.shape.vocab_size)
-        shapes = self._warm_up_decodes()
-        decodes = [decode_step(self.block_size, self.shape.vocab_size, n, w) for n, w in shapes]
-        decodes[0] = with_open_masks(decodes[0], self.shape.vocab_size)
-        for plan in (prompt, *decodes):
+        s, context = self.shape, self.block_size + self.block_size // 2
+        prompt, _ = heaviest_step(context, 1, self.block_size, s.vocab_size)
+        shapes, moe = self._warm_up_decodes(), self._warm_up_moe_tokens()
+        decodes = [decode_step(self.block_size, s.vocab_size, n, w) for n, w in shapes]
+        decodes[0] = with_open_masks(decodes[0], s.vocab_size)
+        rows, blocks = self.config.max_num_seqs, self.kv.num_blocks
+        long = [prompt_rows(t, rows, self.max_model_len, self.block_size, s.vocab_size, blocks) for t in moe]
+        for plan in (prompt, *decodes, *long):
             self.execute(plan)
+        steps = ["prompt", *(f"decode {n}x{w}" for n, w in shapes), *(f"prompt of {t}" for t in moe)]
+        if self.lora is not None:
+            with zero_adapter(self.lora) as slot:
+                for plan in (prompt, decodes[0]):
+                    self.execute(through_slot(plan, slot))
+            steps += ["adapted prompt", "adapted decode"]
         self._last_sampled = {}
-        log.info("worker_warmed_up", steps=("prompt", *(f"decode {n}x{w}" for n, w in shapes)))
+        log.info("worker_warmed_up", steps=tuple(steps))
+
+    def _warm_up_moe_tokens(self) -> list[int]:
+        """Prompt tokens of a step for each taller row tile the grouped GEMMs can pick (the
+        warm-up's prompt and decodes take the 16-row one): the tile follows the step's rows
+        per expert, and each is a compiled variant (kernels.fused_moe.moe_block_m_tokens)."""
+        s = self.shape
+        if not s.num_experts:
+            return []
+        tiles = moe_block_m_tokens(s.experts_per_token, s.num_experts, self.config.max_num_batched_tokens)
+        return [tokens for tile, tokens in sorted(tiles.items()) if tile > BLOCK_M]
 
     def _warm_up_decodes(self) -> list[tuple[int, int]]:
         """(sequences, block-table width) of the warm-up's decode steps. The Triton kernels'
@@ -162,23 +228,16 @@ class RunnerSetup(ABC):
         """
         if self.attention_backend != "triton":
             return [(1, 2)]
-        s = self.shape
         widest = -(-self.max_model_len // self.block_size)
-        shapes = decode_shapes(
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            self.dtype,
-            self.device,
-            self.block_size,
-            self.config.max_num_seqs,
-            widest,
-        )
-        found = sorted(shapes.values())
+        found = sorted(decode_shapes(*self._decode_layout(), self.config.max_num_seqs, widest).values())
         # Which variants a device reaches follows its SM count, but the ranks of a
         # tensor-parallel group (GPUs of different models, at worst) must run as many steps,
         # each holding collectives: every rank runs one per possible tile, repeating its last.
         return found + found[-1:] * (len(MERGE_PADS) - len(found))
+
+    def _decode_layout(self) -> tuple[int, int, int, torch.dtype, torch.device, int]:
+        s = self.shape  # what the decode kernels' split choice reads of this rank's model and cache
+        return s.num_heads, s.num_kv_heads, s.head_dim, self.dtype, self.device, self.block_size
 
     def _use_graphs(self) -> bool:
         # Profiling synchronizes the device at every part, which a capture cannot contain.
@@ -187,18 +246,39 @@ class RunnerSetup(ABC):
             and self.attention_backend == "triton"
             and not self.config.enforce_eager
             and not self.config.profile_steps
+            # A gloo collective passes through the host, which a capture cannot contain.
+            and not (self.group.world_size > 1 and dist_backend(self.config.dist_backend, self.device) == "gloo")
         )
 
+    def _captured_graphs(self, buckets: Buckets) -> tuple[DecodeGraphs, int]:
+        """The decode graphs of `buckets`, and the memory they hold: static inputs, the pool,
+        what the workspace grew by. It is reserved for every bucket serving captures, even in
+        the profile's trial of the largest alone: a smaller bucket can take more splits."""
+        width = -(-self.max_model_len // self.block_size)
+        sizes = graph_buckets(self.config.max_num_seqs).sizes
+        most = max(decode_workspace(n, *self._decode_layout(), width) for n in sizes)
+
+        def capture() -> DecodeGraphs:
+            graphs = DecodeGraphs(
+                lambda ids, positions, meta: self.model(ids, positions, self.kv.layers, meta),
+                TritonAttentionMetadata,
+                buckets,
+                width,
+                self.block_size,
+                self.device,
+                lambda _bucket: most,
+            )
+            graphs.capture()
+            return graphs
+
+        return reserved_growth(self.device, capture)
+
     def _capture_graphs(self) -> DecodeGraphs:
-        graphs = DecodeGraphs(
-            lambda ids, positions, meta: self.model(ids, positions, self.kv.layers, meta),
-            TritonAttentionMetadata,
-            graph_buckets(self.config.max_num_seqs),
-            -(-self.max_model_len // self.block_size),
-            self.block_size,
-            self.device,
-        )
-        graphs.capture()
+        graphs, held = self._captured_graphs(graph_buckets(self.config.max_num_seqs))
+        self.captured_graph_bytes = held
+        # Beside what the profile kept back for them (None: the cache was sized otherwise).
+        profiled = None if self.graph_pool_bytes is None else round(self.graph_pool_bytes / kv_cache.GIB, 3)
+        log.info("cuda_graphs_memory", held_gib=round(held / kv_cache.GIB, 3), profiled_gib=profiled)
         return graphs
 
     def info(self, model_name: str) -> WorkerInfo:
@@ -247,10 +327,12 @@ class RunnerSetup(ABC):
         return self.device.type == "cuda"
 
     def _profile_cuda_budget(self) -> float:
-        """What is left of gpu_memory_utilization after weights and the peak of the heaviest
-        step (worker_svc/step/probe_plans.py): a full token budget over max_num_seqs sampled rows,
-        and on the torch attention path also max_num_seqs rows decoding at the longest context
-        (it gathers each row's whole context into new tensors)."""
+        """What is left of gpu_memory_utilization after weights, the peak of the heaviest
+        step (worker_svc/step/probe_plans.py) and the decode graphs (_graph_pool_bytes). The
+        heaviest step: a full token budget over max_num_seqs sampled rows, and on the torch
+        attention path also max_num_seqs rows decoding at the longest context (it gathers
+        each row's whole context into new tensors); with adapter slots, every row through
+        an adapter (probe_plans.zero_adapter)."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         plan, blocks = heaviest_step(tokens, self.config.max_num_seqs, self.block_size, self.shape.vocab_size)
         # Each probe with what to lower when it does not fit.
@@ -266,7 +348,8 @@ class RunnerSetup(ABC):
         before = torch.cuda.memory_allocated(self.device)
         for probe, lower in probes:
             try:
-                self.execute(probe)
+                with zero_adapter(self.lora) if self.lora is not None else nullcontext() as slot:
+                    self.execute(probe if slot is None else through_slot(probe, slot))
             except torch.cuda.OutOfMemoryError as error:
                 raise RuntimeError(
                     f"a step of {probe.num_seqs} rows and {probe.num_tokens} tokens, contexts up to "
@@ -277,10 +360,37 @@ class RunnerSetup(ABC):
         torch.cuda.synchronize(self.device)
         self.profiled_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before  # the step's own
         peak = torch.cuda.max_memory_allocated(self.device) - self.kv.nbytes  # weights and the step
+        graph_pool = self._graph_pool_bytes() if self._use_graphs() else 0
         del self.kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        in_use_elsewhere = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - in_use_elsewhere - peak
-        log.info("kv_profiled", peak_gib=round(peak / kv_cache.GIB, 3), budget_gib=round(budget / kv_cache.GIB, 3))
-        return max(budget, 0.0)
+        allocated = torch.cuda.memory_allocated(self.device)
+        budget = kv_budget(total, free, allocated, self.config.cache.gpu_memory_utilization, peak, graph_pool)
+        log.info(
+            "kv_profiled",
+            peak_gib=round(peak / kv_cache.GIB, 3),
+            graph_pool_gib=round(graph_pool / kv_cache.GIB, 3),
+            budget_gib=round(budget / kv_cache.GIB, 3),
+        )
+        return budget
+
+    def _graph_pool_bytes(self) -> int:
+        """What the decode graphs will hold, from a trial capture of the largest bucket over the
+        probe's cache (shapes matter, not the cache's size), released after. Not the peak of
+        an eager decode at that bucket: the pool keeps the segments the allocator reserved
+        while capturing, which memory_reserved counts and a peak of allocated bytes does not,
+        and an eager step would count the LM head and sampling, outside the graphs. Smaller
+        buckets reuse the pool, their outputs may come on top: cuda_graphs_memory tells."""
+        largest = graph_buckets(self.config.max_num_seqs).largest
+        workspace_before = _workspace_bytes(self.device)
+        try:
+            trial, held = self._captured_graphs(Buckets((largest,)))
+        except torch.cuda.OutOfMemoryError as error:
+            raise RuntimeError(
+                f"the CUDA graph of a decode step of {largest} rows does not fit on {self.device} beside the "
+                f"weights: lower --max-num-seqs or --max-model-len, or pass --enforce-eager"
+            ) from error
+        del trial  # with its graph and outputs goes the pool (emptied with the caches next)
+        # The workspace it grew stays, reserved: serving's capture will hold all but that again.
+        self.graph_pool_bytes = held - (_workspace_bytes(self.device) - workspace_before)
+        return max(held, 0)
