@@ -337,3 +337,18 @@ def test_a_float32_model_is_float32_throughout() -> None:
     model = build_model(tiny_config(), torch.float32)
     tensors = list(model.parameters()) + list(model.buffers())
     assert {(t.device.type, t.dtype) for t in tensors} == {("cpu", torch.float32)}
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size", "graphs"), [("gloo", 2, False), ("auto", 2, True), ("gloo", 1, True)]
+)
+def test_a_group_over_gloo_on_cuda_runs_without_graphs(backend: str, world_size: int, graphs: bool) -> None:
+    # A gloo collective copies through the host, which a CUDA graph capture cannot contain.
+    from common.config import WorkerConfig
+    from worker_svc.step.runner_setup import RunnerSetup
+
+    config = WorkerConfig(model="m", world_size=world_size, dist_init_method="tcp://x:1", dist_backend=backend)
+    runner = SimpleNamespace(
+        device=torch.device("cuda", 0), attention_backend="triton", config=config, group=ParallelGroup(0, world_size)
+    )
+    assert RunnerSetup._use_graphs(runner) is graphs  # type: ignore[arg-type]

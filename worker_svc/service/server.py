@@ -27,6 +27,7 @@ from common.grpc.error_interceptor import ErrorInterceptor
 from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.grpc.tls import tls_mode
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from kernels.versions import require_gpu_stack
 from worker_svc.device.parallel import init_group
 from worker_svc.service.metrics import WorkerMetrics
 from worker_svc.service.registration import Registrar, RegistrationRefused
@@ -85,6 +86,8 @@ class WorkerServer:
         # Loading comes first: the port opens only when the worker can answer the handshake,
         # so a scheduler waiting on the channel never sees a half-ready worker.
         device = rank_device(resolve_device(config.device), config.rank, config.world_size, config.dist_backend)
+        if device.type == "cuda":
+            require_gpu_stack()  # an old torch/triton fails here in one line, not in a kernel
         group = init_group(
             config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout, config.dist_backend
         )
