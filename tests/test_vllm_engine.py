@@ -392,19 +392,29 @@ async def test_abort_ends_streamed_and_unary_requests_with_abort(
     assert done.finish_reason == "abort" and 2 <= done.completion_tokens < 400
     assert list(done.output_ids) == streamed_ids(seen + rest)
 
-    # Once the request runs, the worker is paused while the abort goes in: on a busy machine the
-    # 400 tokens could otherwise all be sampled before the Abort call is served. It is paused
-    # only after the request runs, since a request is admitted only when the in-flight step
-    # returns, and the wait is bounded so the worker is always resumed.
-    unary = stub(tiny_scheduler).Generate(generate(stream=False, max_tokens=400, ignore_eos=True, request_id="gw-2"))
+    # The worker is paused before the unary request goes in, so the request's first step sits
+    # unanswered in the worker's stream while the abort is served: polling for it to run while
+    # the worker computes could, on a busy machine, first see it with all 400 tokens sampled.
+    # A request is admitted only once the step in flight returns, so the worker is paused only
+    # when no step is in flight. Every wait is bounded and the worker is always resumed.
+    await tiny_scheduler.wait_idle(10.0)
 
-    async def running() -> None:
-        while engine.num_requests == 0 or engine.activity()[0].load.running == 0:
+    async def no_step_in_flight() -> None:
+        while any(replica.worker._sent for replica in engine.replicas):
             await asyncio.sleep(0.005)
 
-    await asyncio.wait_for(running(), 30.0)
+    await asyncio.wait_for(no_step_in_flight(), 10.0)
     tiny_worker.proc.send_signal(signal.SIGSTOP)
     try:
+        unary = stub(tiny_scheduler).Generate(
+            generate(stream=False, max_tokens=400, ignore_eos=True, request_id="gw-2")
+        )
+
+        async def running() -> None:
+            while engine.num_requests == 0 or engine.activity()[0].load.running == 0:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(running(), 10.0)
         await asyncio.wait_for(stub(tiny_scheduler).Abort(vpb.AbortRequest(request_ids=["gw-2"])), 10.0)
     finally:
         tiny_worker.proc.send_signal(signal.SIGCONT)
