@@ -7,7 +7,7 @@ torch in, so config.json and generation_config.json are read here as plain JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,17 @@ class ModelSpec:
     model_type: str = ""
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # The name clients see (GetModelInfo, metrics, messages); `name`, the directory's, is the
+    # one workers must report. Empty: `name`. Set by --served-model-name (`served_as`).
+    served_name: str = ""
+
+    @property
+    def public_name(self) -> str:
+        return self.served_name or self.name
+
+    def served_as(self, name: str | None) -> ModelSpec:
+        """This model under the client-facing `name` (None: as it was)."""
+        return self if not name else replace(self, served_name=name)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:

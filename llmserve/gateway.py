@@ -92,6 +92,8 @@ class GatewayConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     policy: str = "cache_aware"
     model_path: str | None = None  # tokenizer source; None: fetched from a scheduler (GetTokenizer)
+    # (alias, name): requests may name the model the schedulers serve as `name` by `alias` too.
+    model_aliases: tuple[tuple[str, str], ...] = ()
     shutdown_grace: float = 30.0  # seconds in-flight HTTP requests get on SIGTERM
     log_level: str = "info"
     log_json: bool = False
@@ -115,6 +117,7 @@ class GatewayConfig:
             raise ValueError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if self.shutdown_grace < 0:
             raise ValueError(f"the gateway's drain timeout must be >= 0, got {self.shutdown_grace}")
+        _check_aliases(self.model_aliases)
         if self.log_level not in _SMG_LOG_LEVELS:
             raise ValueError(f"log level {self.log_level!r}: choose one of {', '.join(_SMG_LOG_LEVELS)}")
 
@@ -130,6 +133,27 @@ class GatewayConfig:
 def _check_port(port: int, flag: str) -> None:
     if not 1 <= port <= 65535:
         raise ValueError(f"{flag} {port} is not a TCP port (1-65535)")
+
+
+def _check_aliases(aliases: tuple[tuple[str, str], ...]) -> None:
+    seen: set[str] = set()
+    for alias, name in aliases:
+        # smg splits ALIAS=NAME at the first "=".
+        if not alias.strip() or not name.strip() or "=" in alias:
+            raise ValueError(f"model alias {alias!r} for {name!r}: both must be non-empty and the alias free of '='")
+        if alias == name:
+            raise ValueError(f"model alias {alias!r} names the model itself")
+        if alias in seen:
+            raise ValueError(f"model alias {alias!r} given twice")
+        seen.add(alias)
+
+
+def parse_alias(text: str) -> tuple[str, str]:
+    """ALIAS=NAME, as --model-alias takes it."""
+    alias, sep, name = text.partition("=")
+    if not sep:
+        raise ValueError(f"--model-alias {text!r} is not ALIAS=NAME")
+    return alias, name
 
 
 def _url_host(host: str) -> str:
@@ -190,6 +214,8 @@ def smg_command(config: GatewayConfig, executable: str) -> list[str]:
         cmd.append("--log-json")
     if config.model_path:
         cmd += ["--model-path", config.model_path]
+    for alias, name in config.model_aliases:
+        cmd += ["--model-alias", f"{alias}={name}"]
     if config.discovery is None:
         cmd += ["--worker-urls", *(f"grpc://{address}" for address in config.schedulers)]
     else:

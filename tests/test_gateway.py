@@ -32,6 +32,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.model_spec import ModelSpec
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from llmserve.cli import configs
 from llmserve.cli.parser import build_parser
@@ -471,6 +472,14 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_the_path_given_to_model_names_the_model_too(client: openai.OpenAI, chat_model_dir: Path) -> None:
+    # vLLM's default served name, which `vllm bench serve --model PATH` sends.
+    answer = client.completions.create(model=str(chat_model_dir), prompt="Hello", max_tokens=3, temperature=0)
+    reference = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert answer.model == MODEL and answer.choices[0].text == reference.choices[0].text
+    assert client.models.retrieve(str(chat_model_dir)).id == MODEL
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(client: openai.OpenAI, up: Scheduler) -> None:
     wait_until(up.idle, 30, "idle before the test")
     generated = metric(up.metrics(), "llmserve:generation_tokens_total")
@@ -549,6 +558,8 @@ def test_cache_aware_routing_sends_a_shared_prefix_to_the_scheduler_that_holds_i
             str(metrics_port),
             "--policy",
             "cache_aware",
+            "--model-alias",
+            f"team-model={MODEL}",
         ],
         cwd=REPO,
     )
@@ -575,7 +586,9 @@ def test_cache_aware_routing_sends_a_shared_prefix_to_the_scheduler_that_holds_i
             ]
 
         before = counters()
-        client.completions.create(model=MODEL, prompt=f"{prefix} Question 0?", max_tokens=1)
+        assert (
+            client.completions.create(model="team-model", prompt=f"{prefix} Question 0?", max_tokens=1).model == MODEL
+        )
         after = counters()
         served = [i for i in range(2) if after[i][0] > before[i][0]]
         assert len(served) == 1, (before, after)
@@ -633,13 +646,46 @@ def _up(*flags: str) -> Any:
     return build_parser().parse_args(["up", "--model", "/models/m", *flags])
 
 
+def _up_gateway(*flags: str) -> GatewayConfig | None:
+    a = _up(*flags)
+    return configs.up_gateway_config(a, configs.served_names(a, a.model))
+
+
 def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() -> None:
-    config = configs.up_gateway_config(_up("--host", "0.0.0.0", "--port", "50061"))
+    config = _up_gateway("--host", "0.0.0.0", "--port", "50061")
     assert config is not None
     assert (config.host, config.port, config.schedulers) == ("0.0.0.0", 8000, ("127.0.0.1:50061",))
-    assert configs.up_gateway_config(_up("--no-http")) is None
+    assert _up_gateway("--no-http") is None
     # TLS on the public port leaves the gateway's loopback listener as it is.
-    assert configs.up_gateway_config(_up("--tls-cert", "c.pem", "--tls-key", "k.pem")) is not None
+    assert _up_gateway("--tls-cert", "c.pem", "--tls-key", "k.pem") is not None
+
+
+def test_served_names_default_to_the_directorys_name_and_the_path_given() -> None:
+    a = _up()
+    assert configs.served_names(a, a.model) == ("m", "/models/m")
+    config = _up_gateway()
+    assert config is not None and config.model_aliases == (("/models/m", "m"),)
+    a = _up("--served-model-name", "team/chat", "chat", "team/chat")
+    assert configs.served_names(a, a.model) == ("team/chat", "chat")  # the first reported, repeats dropped
+    config = _up_gateway("--served-model-name", "team/chat", "chat")
+    assert config is not None and config.model_aliases == (("chat", "team/chat"),)
+    config = _up_gateway("--served-model-name", "only")
+    assert config is not None and config.model_aliases == ()
+    with pytest.raises(ValueError, match="a name is 1 to 256 characters"):
+        _up_gateway("--served-model-name", "ok", " ")
+    with pytest.raises(ValueError, match="the alias free of '='"):
+        _up_gateway("--served-model-name", "ok", "a=b")
+    sched = build_parser().parse_args(["scheduler", "--served-model-name", "team/chat"])
+    assert sched.served_model_name == "team/chat"
+
+
+def test_a_model_served_under_another_name_is_reported_by_it(tiny_model_dir: Path) -> None:
+    spec = ModelSpec.from_dir(tiny_model_dir)
+    assert spec.public_name == spec.name == tiny_model_dir.name
+    renamed = spec.served_as("team/chat")
+    # Workers still identify the model by its directory's name.
+    assert (renamed.public_name, renamed.name) == ("team/chat", spec.name)
+    assert spec.served_as(None) is spec
 
 
 @pytest.mark.parametrize(
@@ -654,7 +700,7 @@ def test_up_starts_the_gateway_on_8000_by_default_in_front_of_its_scheduler() ->
 )
 def test_up_refuses_bad_gateway_flags(flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        configs.up_gateway_config(_up(*flags))
+        _up_gateway(*flags)
 
 
 def test_up_refuses_a_held_http_port_before_starting_anything(tiny_model_dir: Path) -> None:
@@ -697,6 +743,15 @@ def test_gateway_command_needs_schedulers_or_discovery() -> None:
         config("--scheduler", "just-a-host")
     with pytest.raises(ValueError, match="is not KEY=VALUE"):
         config("--k8s-selector", "app")
+    with pytest.raises(ValueError, match="is not ALIAS=NAME"):
+        config("--scheduler", "a:1", "--model-alias", "chat")
+    with pytest.raises(ValueError, match="given twice"):
+        config("--scheduler", "a:1", "--model-alias", "chat=m", "--model-alias", "chat=n")
+    with pytest.raises(ValueError, match="names the model itself"):
+        config("--scheduler", "a:1", "--model-alias", "m=m")
+    aliased = config("--scheduler", "a:1", "--model-alias", "chat=team/m=2")
+    assert aliased.model_aliases == (("chat", "team/m=2"),)
+    assert smg_command(aliased, "smg")[-4:-2] == ["--model-alias", "chat=team/m=2"]
     two = config("--scheduler", "s1:50051", "--scheduler", "s2:50051", "--policy", "round_robin")
     assert two.schedulers == ("s1:50051", "s2:50051") and two.policy == "round_robin"
 

@@ -66,6 +66,7 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
             worker_tls=worker_tls,
             health_interval=a.worker_health_interval,
             registry_config=registry_config,
+            served_name=a.served_model_name,
         )
         await serve(server, stop)
 

@@ -26,7 +26,8 @@ from common.config import (
     WorkerConfig,
 )
 from common.grpc.ports import check_free
-from llmserve.gateway import GatewayConfig, KubernetesDiscovery, dial_address
+from common.worker_info import MAX_NAME_LENGTH
+from llmserve.gateway import GatewayConfig, KubernetesDiscovery, dial_address, parse_alias
 
 
 def cache_root() -> Path:
@@ -251,9 +252,21 @@ def check_gateway_ports(config: GatewayConfig) -> None:
     check_free(f"{config.host}:{config.metrics_port}", "--http-metrics-port")
 
 
-def up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
+def served_names(a: argparse.Namespace, model: str) -> tuple[str, ...]:
+    """The names requests may give the model, the first the one the scheduler reports:
+    --served-model-name's, else the directory's name and the path --model gave (vLLM's default
+    name, which `vllm bench serve --model PATH` sends)."""
+    names = a.served_model_name or [Path(model).name, model]
+    for name in names:
+        if not name.strip() or len(name) > MAX_NAME_LENGTH:
+            raise ValueError(f"--served-model-name {name!r}: a name is 1 to {MAX_NAME_LENGTH} characters")
+    return tuple(dict.fromkeys(names))
+
+
+def up_gateway_config(a: argparse.Namespace, names: tuple[str, ...]) -> GatewayConfig | None:
     """The gateway `up` runs in front of its scheduler, validated; None with --no-http. Its
-    scheduler address is filled in once the port is bound (--port 0 picks one)."""
+    scheduler address is filled in once the port is bound (--port 0 picks one). The scheduler
+    reports `names[0]`; the gateway accepts the others for it."""
     if a.no_http:
         return None
     # --tls-cert is no obstacle: smg dials the scheduler's gateway listener on loopback, which is
@@ -267,6 +280,7 @@ def up_gateway_config(a: argparse.Namespace) -> GatewayConfig | None:
         host=a.host,
         port=a.http_port,
         metrics_port=a.http_metrics_port,
+        model_aliases=tuple((alias, names[0]) for alias in names[1:]),
         shutdown_grace=a.drain_timeout,
         log_level=a.log_level,
         log_json=log_json(),
@@ -293,6 +307,7 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
         metrics_port=a.http_metrics_port,
         policy=a.policy,
         model_path=a.model_path,
+        model_aliases=tuple(parse_alias(text) for text in a.model_alias),
         shutdown_grace=a.drain_timeout,
         log_level=a.log_level,
         log_json=log_json(),

@@ -42,6 +42,26 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_served_name_flag(p: argparse.ArgumentParser, several: bool) -> None:
+    """The model's names to clients; `several` where a gateway runs alongside to accept them all."""
+    if several:
+        p.add_argument(
+            "--served-model-name",
+            nargs="+",
+            default=None,
+            metavar="NAME",
+            help="the names requests may give the model, the first reported in responses and metrics (default: the "
+            "model directory's name, and --model's path as given, which is vLLM's default name)",
+        )
+    else:
+        p.add_argument(
+            "--served-model-name",
+            default=None,
+            metavar="NAME",
+            help="the model's name in responses and metrics (default: the model directory's name)",
+        )
+
+
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")

@@ -19,6 +19,7 @@ from llmserve.cli.flags import (
     add_registry_flags,
     add_scheduler_flags,
     add_security_flags,
+    add_served_name_flag,
     add_server_flags,
     add_worker_flags,
     add_worker_tls_flags,
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker groups (data parallel), each with its own KV cache; with CUDA, group i takes the next --tp GPUs",
     )
     add_model_flags(up)
+    add_served_name_flag(up, several=True)
     add_server_flags(up, 50051)
     add_security_flags(up)
     add_client_auth_flags(up)
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = sub.add_parser("scheduler", help="run the scheduler service alone")
     add_model_flags(sched)
+    add_served_name_flag(sched, several=False)
     add_server_flags(sched, 50051)
     add_security_flags(sched)
     add_client_auth_flags(sched)
@@ -215,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="model directory the gateway reads the tokenizer and chat template from (default: fetched from a scheduler)",
+    )
+    gw.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="ALIAS=NAME",
+        help="accept ALIAS in requests for the model the schedulers serve as NAME; repeat it for several",
     )
     gw.add_argument(
         "--drain-timeout",

@@ -45,7 +45,8 @@ def cmd_up(a: argparse.Namespace) -> None:
     configs.check_tp(model, a.tp)
     if a.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {a.workers}")
-    gateway_config = configs.up_gateway_config(a)
+    names = configs.served_names(a, model)
+    gateway_config = configs.up_gateway_config(a, names)
     smg = None
     if gateway_config is not None:
         smg = smg_executable()
@@ -89,6 +90,7 @@ def cmd_up(a: argparse.Namespace) -> None:
                 server_config,
                 configs.scheduler_config(a),
                 gateway_address="127.0.0.1:0" if gateway_config is not None else None,
+                served_name=names[0],
             )
             await starting.start()
             server = starting

@@ -61,14 +61,16 @@ class SchedulerServer:
         health_interval: float = 5.0,
         registry_config: RegistryConfig | None = None,
         gateway_address: str | None = None,
+        served_name: str | None = None,
     ) -> None:
         """`gateway_address` (host:port, port 0 picks one) overrides server_config's
-        gateway_host/gateway_port: `llmserve up` asks for an ephemeral one on loopback."""
+        gateway_host/gateway_port: `llmserve up` asks for an ephemeral one on loopback.
+        `served_name` is the model's name to clients (None: its directory's)."""
         self.server_config = server_config
         self.registry_config = registry_config or RegistryConfig()
-        spec = ModelSpec.from_dir(model_dir)
+        spec = ModelSpec.from_dir(model_dir).served_as(served_name)
         token = server_config.auth.worker_token  # shown to every worker we dial
-        self.metrics = SchedulerMetrics(spec.name)
+        self.metrics = SchedulerMetrics(spec.public_name)
         self.health = health.aio.HealthServicer()
         self.engine = Engine(
             spec,

@@ -224,7 +224,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self._engine.model_info(),
             # Where the model lies on this server is for the gateway (and admins) only: a
             # gateway on the same machine reads the tokenizer from there.
-            spec.path if auth.caller().admin else spec.name,
+            spec.path if auth.caller().admin else spec.public_name,
             spec.model_type,
             spec.architectures,
             spec.bos_token_id,

@@ -70,7 +70,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.config = config
-        self.metrics = metrics or SchedulerMetrics(spec.name)
+        self.metrics = metrics or SchedulerMetrics(spec.public_name)
         self._streams = LiveStreams()
         static = workers if isinstance(workers, list) else [workers] if workers is not None else []
         self._fleet = Fleet(
@@ -280,11 +280,13 @@ class Engine:
         if token_ids:
             return list(token_ids)
         request = self.limits.request
-        return await prompt_tokens(self.tokenizer, self.chat_template, self.spec.name, text, messages, request, limit)
+        return await prompt_tokens(
+            self.tokenizer, self.chat_template, self.spec.public_name, text, messages, request, limit
+        )
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(
-            model_name=self.spec.name,
+            model_name=self.spec.public_name,
             max_model_len=self.limits.max_model_len,
             vocab_size=self.spec.vocab_size,
             eos_token_ids=tuple(sorted(self.spec.eos_token_ids)),
