@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint format typecheck protos bench gpu-check clean
+.PHONY: install run test lint format typecheck protos bench bench-serving gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ bench: install $(VLLM_PY)
 	$(PY) benchmarks/throughput.py --vllm-python $(VLLM_PY) --repeat 3 $(ARGS)
 	$(PY) benchmarks/step_overlap.py
 	$(PY) benchmarks/scheduler_bench.py
+
+# make run's HTTP front against vLLM's OpenAI server at both of its CPU bindings, each driven by
+# vLLM's own `vllm bench serve` (64 prompts of 256 tokens, 96 out, all at once). ARGS="...".
+bench-serving: install $(VLLM_PY)
+	$(PY) benchmarks/serving.py --vllm-python $(VLLM_PY) $(ARGS)
 
 # On a machine with a GPU: the measurements, the parity checks against transformers and then
 # the kernel tests, inside GPU_BUDGET_S seconds, into GPU_CHECK_OUT (docs/benchmarks.md, the GPU
