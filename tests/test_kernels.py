@@ -311,9 +311,10 @@ def test_wrappers_refuse_bad_arguments_with_the_argument_named() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_attention_replays_inside_a_cuda_graph() -> None:
-    lens = [7, 300, 1025]
-    k_cache, v_cache, tables = paged_cache(lens, 8, 128, 16, torch.bfloat16)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    # The caches hold 8 tokens of the first sequence: captured at 7, it grows by one on replay
+    # (a decode step), while the others shrink; every length read at replay was written.
+    k_cache, v_cache, tables = paged_cache([8, 300, 1025], 8, 128, 16, torch.bfloat16)
+    seq_lens = torch.tensor([7, 300, 1025], dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, 32, 128, device=DEVICE, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)  # warm-up: compile, workspace

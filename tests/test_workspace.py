@@ -13,11 +13,14 @@ import torch
 
 from kernels import paged_attention, workspace
 from kernels.paged_attention import decode_workspace, paged_decode_attention
+from tests.conftest import KERNEL_DEVICE
 from worker_svc.step.step_buckets import graph_buckets
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B's attention
 WIDE = 131072 // BLOCK
 CPU = torch.device("cpu")
+# Where the kernels launch: the CPU under Triton's interpreter, else the GPU.
+DEV = torch.device(KERNEL_DEVICE)
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +30,8 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(workspace, "_buffers", {})
 
 
-def needs(n: int) -> int:
-    return decode_workspace(n, HEADS, KV_HEADS, HEAD_DIM, torch.float32, CPU, BLOCK, WIDE)
+def needs(n: int, device: torch.device = CPU) -> int:
+    return decode_workspace(n, HEADS, KV_HEADS, HEAD_DIM, torch.float32, device, BLOCK, WIDE)
 
 
 def test_a_smaller_bucket_can_need_more_workspace_than_the_largest() -> None:
@@ -49,27 +52,27 @@ def test_after_reserving_for_every_bucket_no_decode_launch_reallocates(monkeypat
     monkeypatch.setattr(paged_attention, "_parallel_units", lambda device: 2 * 20)
     heads, kv_heads, head_dim = 4, 2, 16
     buckets = sorted(graph_buckets(24).sizes, reverse=True)
-    sizes = {n: decode_workspace(n, heads, kv_heads, head_dim, torch.float32, CPU, BLOCK, WIDE) for n in buckets}
+    sizes = {n: decode_workspace(n, heads, kv_heads, head_dim, torch.float32, DEV, BLOCK, WIDE) for n in buckets}
     assert sizes[16] > sizes[24]
-    buf = workspace.reserve(CPU, max(sizes.values()))
+    buf = workspace.reserve(DEV, max(sizes.values()))
     ptr = buf.data_ptr()
-    k_cache = torch.randn(3, BLOCK, kv_heads, head_dim)
+    k_cache = torch.randn(3, BLOCK, kv_heads, head_dim, device=DEV)
     for n in buckets:  # in capture order
-        tables = torch.zeros(n, WIDE, dtype=torch.int32)
+        tables = torch.zeros(n, WIDE, dtype=torch.int32, device=DEV)
         tables[:, 0] = 1
-        seq_lens = torch.full((n,), 2, dtype=torch.int32)
-        paged_decode_attention(torch.randn(n, heads, head_dim), k_cache, k_cache, tables, seq_lens, 0.25)
-        assert workspace.buffer(CPU) is buf and buf.data_ptr() == ptr, n
+        seq_lens = torch.full((n,), 2, dtype=torch.int32, device=DEV)
+        paged_decode_attention(torch.randn(n, heads, head_dim, device=DEV), k_cache, k_cache, tables, seq_lens, 0.25)
+        assert workspace.buffer(DEV) is buf and buf.data_ptr() == ptr, n
 
 
 def test_the_workspace_a_launch_takes_is_what_decode_workspace_says() -> None:
     n = 3
-    q = torch.randn(n, HEADS, HEAD_DIM)
-    k_cache = torch.randn(2, BLOCK, KV_HEADS, HEAD_DIM)
-    tables = torch.ones(n, WIDE, dtype=torch.int32)
-    paged_decode_attention(q, k_cache, k_cache, tables, torch.ones(n, dtype=torch.int32), 0.088)
-    buf = workspace.buffer(CPU)
-    assert buf is not None and buf.numel() == needs(n)
+    q = torch.randn(n, HEADS, HEAD_DIM, device=DEV)
+    k_cache = torch.randn(2, BLOCK, KV_HEADS, HEAD_DIM, device=DEV)
+    tables = torch.ones(n, WIDE, dtype=torch.int32, device=DEV)
+    paged_decode_attention(q, k_cache, k_cache, tables, torch.ones(n, dtype=torch.int32, device=DEV), 0.088)
+    buf = workspace.buffer(DEV)
+    assert buf is not None and buf.numel() == needs(n, DEV)
 
 
 def test_a_device_without_an_index_names_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
