@@ -217,6 +217,10 @@ class WorkerConfig:
     # refuses two ranks on one device), at the cost of host copies in every collective and
     # no CUDA graphs (a collective through the host cannot be captured).
     dist_backend: str = "auto"
+    # Pipeline: the world_size ranks form this many stages (stage-major), of `pp_layer_split`
+    # layers each (empty: as even as they go; worker_svc/device/pipeline.py).
+    pipeline_stages: int = 1
+    pp_layer_split: tuple[int, ...] = ()
     # None: no adapter slots (LoRA off).
     lora: LoraConfig | None = None
 
@@ -234,6 +238,7 @@ class WorkerConfig:
         _require(0 <= self.rank < self.world_size, f"rank must lie in [0, {self.world_size}), got {self.rank}")
         _require(self.world_size == 1 or bool(self.dist_init_method), "a group of ranks needs dist_init_method")
         _require(self.dist_timeout > 0, "dist_timeout must be positive")
+        _require(self.world_size % max(self.pipeline_stages, 1) == 0, "pipeline_stages must divide world_size")
         _require(
             self.dist_backend in DIST_BACKENDS,
             f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}",

@@ -33,6 +33,13 @@ class WorkerInfo:
     # LoRA: device adapter slots (0 = adapters off) and the largest rank a slot holds.
     max_loras: int = 0
     max_lora_rank: int = 0
+    # Pipeline stages of the group: rank r computes stage r // (world_size // pipeline_stages).
+    pipeline_stages: int = 1
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank whose result is the group's: the last stage's first (it samples)."""
+        return self.world_size - self.world_size // self.pipeline_stages
 
 
 def out_of_bounds(info: WorkerInfo) -> str | None:
@@ -52,6 +59,8 @@ def out_of_bounds(info: WorkerInfo) -> str | None:
         return f"worker reports a context of {info.max_model_len} tokens"
     if not 1 <= info.world_size <= MAX_WORLD_SIZE or not 0 <= info.rank < info.world_size:
         return f"worker reports rank {info.rank} of a group of {info.world_size} (at most {MAX_WORLD_SIZE} ranks)"
+    if not 1 <= info.pipeline_stages <= info.world_size or info.world_size % info.pipeline_stages:
+        return f"worker reports {info.pipeline_stages} pipeline stages in a group of {info.world_size} ranks"
     if not 0 <= info.max_loras <= MAX_LORA_SLOTS:
         return f"worker reports {info.max_loras} LoRA slots, want at most {MAX_LORA_SLOTS}"
     if info.block_bytes < 0 or info.max_lora_rank < 0:

@@ -286,6 +286,7 @@ def encode_worker_info(info: WorkerInfo) -> worker_pb.WorkerInfo:
         block_bytes=info.block_bytes,
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
+        pipeline_stages=info.pipeline_stages,
     )
 
 
@@ -304,6 +305,7 @@ def decode_worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
         block_bytes=msg.block_bytes,
         max_loras=msg.max_loras,
         max_lora_rank=msg.max_lora_rank,
+        pipeline_stages=msg.pipeline_stages or 1,  # 0: a worker from before pipelines
     )
 
 

@@ -39,9 +39,9 @@ from worker_svc.sampling.logprobs import logprob_tensors
 from worker_svc.sampling.sampler import sample
 from worker_svc.step import kv_cache, runner_setup
 from worker_svc.step import runner as runner_module
+from worker_svc.step.device_memory import kv_budget
 from worker_svc.step.probe_plans import PROFILE_LOGPROBS, heaviest_step, prompt_rows, widest_decode_step
 from worker_svc.step.runner import ModelRunner
-from worker_svc.step.runner_setup import kv_budget
 from worker_svc.step.step_buckets import Buckets
 
 
@@ -80,13 +80,15 @@ MIB = 1 << 20
 
 
 def _fake_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 64 MiB device with 48 MiB free, 8 MiB of it ours; the peak 1 MiB above that."""
+    """A 64 MiB device with 48 MiB free, 8 MiB of it ours; the peak 1 MiB above that, and the
+    allocator's segments at that peak 1 MiB more again (what the budget counts)."""
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (48 * MIB, 64 * MIB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8 * MIB)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * MIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 10 * MIB)
 
 
 def _profiled_config(model_dir: Path) -> WorkerConfig:
@@ -123,12 +125,12 @@ def test_the_memory_profile_runs_the_heaviest_step_whole(model_dir: Path, monkey
     assert (result.sampled_token_ids >= 0).all()
     assert result.top_token_ids.shape == (24, PROFILE_LOGPROBS) and (result.top_token_ids >= 0).all()
     assert result.prompt_logprobs.size == plan.query_lens[0] - 1
-    # The budget: 0.9 x 64 MiB, less the 8 MiB others use, less the step's peak (9 MiB with
-    # the probe's own cache in it).
+    # The budget: 0.9 x 64 MiB, less the 8 MiB others use, less the step's reserved peak
+    # (10 MiB with the probe's own cache in it).
     probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(
         runner.shape, 16, runner.dtype
     )
-    budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache)
+    budget = 0.9 * 64 * MIB - 8 * MIB - (10 * MIB - probe_cache)
     assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
     assert runner.profiled_peak_bytes == 1 * MIB
     assert runner._last_sampled == {}  # noqa: SLF001 (nothing of the probe carries over)
@@ -179,7 +181,7 @@ def test_the_memory_profile_keeps_back_what_the_decode_graphs_hold(
     probe_cache = heaviest_step(96, 24, 16, runner.shape.vocab_size)[1] * kv_cache.bytes_per_block(
         runner.shape, 16, runner.dtype
     )
-    budget = 0.9 * 64 * MIB - 8 * MIB - (9 * MIB - probe_cache) - 3 * MIB  # as without graphs, less the pool
+    budget = 0.9 * 64 * MIB - 8 * MIB - (10 * MIB - probe_cache) - 3 * MIB  # as without graphs, less the pool
     assert runner.kv.num_blocks == kv_cache.blocks_in(budget, runner.shape, 16, runner.dtype)
     assert logged["kv_profiled"]["graph_pool_gib"] == round(3 * MIB / kv_cache.GIB, 3)
     held = (2 + len(_FakeGraphs.captured[1])) * MIB  # what the real capture held, to compare with the trial's

@@ -8,7 +8,7 @@ first token; the two runs' tokens should agree (random weights give flat logits,
 near-ties may not).
 
 memory_peak: a worker sizes its KV cache so that the device's use stays under
---gpu-memory-utilization (worker_svc/step/runner_setup.py: kv_budget). Built with 0.5 and the
+--gpu-memory-utilization (worker_svc/step/device_memory.py: kv_budget). Built with 0.5 and the
 decode graphs captured, then run on the heaviest step it profiled for, the device's peak use
 must lie within 0.5 of its memory: the margin is what is left below that line.
 """

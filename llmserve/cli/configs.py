@@ -229,8 +229,30 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         dist_init_method=getattr(a, "dist_init", ""),
         dist_timeout=a.dist_timeout,
         dist_backend=a.dist_backend,
+        pipeline_stages=a.pp,
+        pp_layer_split=layer_counts(a.pp_layer_split),
         lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
     )
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """--pp-layer-split's counts ("" for none)."""
+    try:
+        return tuple(int(n) for n in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--pp-layer-split {text!r}: want layer counts such as 10,20") from None
+
+
+def check_pp(model: str, pp: int, split: str) -> None:
+    """Refuse a pipeline the model cannot be split into before any rank starts (exit 2)."""
+    if pp == 1 and not split:
+        return
+    import json
+
+    from worker_svc.device.pipeline import layer_split
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    layer_split(int(config.get("text_config", config)["num_hidden_layers"]), pp, layer_counts(split))
 
 
 def check_tp(model: str, tp: int) -> None:

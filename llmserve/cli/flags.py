@@ -222,6 +222,18 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, help="tensor-parallel group size: one rank process per device (default 1)"
     )
     p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: the layers split over N stages of --tp ranks each, N x tp rank processes (default 1)",
+    )
+    p.add_argument(
+        "--pp-layer-split",
+        default="",
+        metavar="N,N,...",
+        help="layers per pipeline stage, in stage order (default: as even as they go)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at start)",

@@ -43,6 +43,8 @@ def cmd_up(a: argparse.Namespace) -> None:
     model = configs.model_dir(a.model)
     configs.worker_config(a, model)  # validate worker flags before starting anything
     configs.check_tp(model, a.tp)
+    configs.check_pp(model, a.pp, a.pp_layer_split)
+    ranks = a.tp * a.pp
     if a.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {a.workers}")
     names = configs.served_names(a, model)
@@ -62,10 +64,10 @@ def cmd_up(a: argparse.Namespace) -> None:
         commands.append(
             [*worker_args(a, model), "--listen", address, "--parent-pid", str(os.getpid()), "--tp", str(a.tp)]
         )
-        if a.tp > 1:
+        if ranks > 1:
             from llmserve.rank_launcher import rank_addresses
 
-            address = ",".join(rank_addresses(address, a.tp))
+            address = ",".join(rank_addresses(address, ranks))
         addresses.append(address)
     # The TLS flags secure the public scheduler port only. The worker's socket lies in a
     # mkdtemp directory (mode 0700) that only this user's processes can enter, and nothing
@@ -76,7 +78,7 @@ def cmd_up(a: argparse.Namespace) -> None:
         # process group, and a worker that stopped on it would be lost under a running step;
         # only `up` gets it, and drains like on SIGTERM.
         workers = [
-            Supervised(cmd, env=_worker_env(gpu_share(i, a.tp, a.workers), token), own_session=True)
+            Supervised(cmd, env=_worker_env(gpu_share(i, ranks, a.workers), token), own_session=True)
             for i, cmd in enumerate(commands)
         ]
         server: SchedulerServer | None = None

@@ -54,7 +54,11 @@ def worker_args(a: argparse.Namespace, model: str) -> list[str]:
         a.dist_backend,
         "--gpu-memory-utilization",
         str(a.gpu_memory_utilization),
+        "--pp",
+        str(a.pp),
     ]
+    if a.pp_layer_split:
+        cmd += ["--pp-layer-split", a.pp_layer_split]
     for flag, value in (
         ("--num-gpu-blocks", a.num_gpu_blocks),
         ("--kv-cache-gb", a.kv_cache_gb),
@@ -77,10 +81,11 @@ def worker_args(a: argparse.Namespace, model: str) -> list[str]:
 
 
 def _run_rank_launcher(a: argparse.Namespace, model: str) -> None:
-    """`worker --tp N`: start the N ranks, end them all when one ends (or on SIGTERM)."""
+    """`worker --tp N --pp M`: start the N x M ranks, end them all when one ends (or on SIGTERM)."""
     from llmserve.rank_launcher import RankLauncher
 
     configs.check_tp(model, a.tp)
+    configs.check_pp(model, a.pp, a.pp_layer_split)
     cmd = worker_args(a, model)
     for flag in (
         "--tls-cert",
@@ -99,7 +104,7 @@ def _run_rank_launcher(a: argparse.Namespace, model: str) -> None:
         cmd += ["--scheduler", a.scheduler, "--group", a.advertise or a.listen]
     token = configs.worker_token(a)
     env = {**os.environ, configs.WORKER_TOKEN_ENV: token} if token is not None else None
-    group = RankLauncher(cmd, a.listen, a.tp, metrics_port=a.metrics_port, advertise=a.advertise, env=env)
+    group = RankLauncher(cmd, a.listen, a.tp * a.pp, metrics_port=a.metrics_port, advertise=a.advertise, env=env)
     stopping = {"now": False}
 
     def request_stop(*_: object) -> None:
@@ -116,7 +121,7 @@ def cmd_worker(a: argparse.Namespace) -> None:
 
     if a.parent_pid is not None:
         exit_with_parent(a.parent_pid)
-    if a.tp > 1 and a.rank is None:
+    if a.tp * a.pp > 1 and a.rank is None:
         _run_rank_launcher(a, configs.model_dir(a.model))
         return
     from worker_svc.service.main_thread import MainThreadExecutor, run_beside

@@ -9,7 +9,9 @@ compute in.
 Every rank holds a slice of the weights and of the KV heads, so every rank must run every
 step: the identical plan goes to all of them (encoded once), their collectives meet inside
 the forward pass, and rank 0's result is the group's (all ranks sample the same tokens from
-the same gathered logits). Capacity is the minimum over the ranks.
+the same gathered logits). In a pipeline (WorkerInfo.pipeline_stages) every stage gets the
+plan too, and the last stage's first rank answers for the group (WorkerInfo.driver_rank).
+Capacity is the minimum over the ranks: a stage's KV pool holds only its layers.
 
 Any rank failing, closing its stream or missing the step deadline loses the whole group: its
 KV state is spread over all ranks. The error names the rank, and the ranks still alive fail
@@ -47,6 +49,7 @@ class RankLinks:
         # Each rank watches its own health; one that fails ends the group's step like a crash.
         self.ranks = [WorkerClient(a, step_timeout, tls, health_interval, token) for a in addresses]
         self.address = ",".join(addresses)
+        self.driver = 0  # the rank whose result is the group's (set at connect)
 
     async def connect(self, timeout: float) -> WorkerInfo:
         """Describe every rank; the group's info is rank 0's with the smallest capacity."""
@@ -63,6 +66,7 @@ class RankLinks:
         if problem:
             await self.close()
             raise WorkerRefused(f"worker group {self.address}: {problem}")
+        self.driver = infos[0].driver_rank
         return dataclasses.replace(
             infos[0],
             num_gpu_blocks=min(i.num_gpu_blocks for i in infos),
@@ -84,7 +88,7 @@ class RankLinks:
 
     async def receive(self, plan: StepPlan) -> tuple[StepResult, StepTiming]:
         done = await self._all(plan, [r.receive(plan) for r in self.ranks])
-        result, timing = done[0]
+        result, timing = done[self.driver]
         # The step lasts as long as its slowest rank.
         slowest = max(t.roundtrip_seconds for _, t in done)
         return result, StepTiming(
@@ -133,7 +137,7 @@ def _mismatch(infos: list[WorkerInfo]) -> str | None:
             return f"address {i} is rank {info.rank}: list the ranks' addresses in rank order"
     first = infos[0]
     for info in infos[1:]:
-        for field in ("model_name", "dtype", "block_size", "max_model_len", "vocab_size"):
+        for field in ("model_name", "dtype", "block_size", "max_model_len", "vocab_size", "pipeline_stages"):
             if getattr(info, field) != getattr(first, field):
                 return f"rank {info.rank} has {field} {getattr(info, field)!r}, rank 0 has {getattr(first, field)!r}"
     return None

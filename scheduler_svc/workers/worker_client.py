@@ -96,6 +96,7 @@ class WorkerClient:
         # Results are checked against the vocabulary the worker reported (the fleet refuses a
         # worker whose vocabulary is not the model's).
         self._vocab_size = 0
+        self._samples = True
 
     async def connect(self, timeout: float) -> WorkerInfo:
         """Wait up to `timeout` seconds for the worker, describe it, and open the step stream."""
@@ -115,6 +116,8 @@ class WorkerClient:
             await self.close()
             raise WorkerRefused(f"worker {self.address}: {problem}")
         self._vocab_size = described.vocab_size
+        # A pipeline stage before the last samples nothing: its results only pace the group.
+        self._samples = described.rank >= described.driver_rank
         self._call = stub.Execute(metadata=self._metadata)
         self._sent.clear()
         self._lost_reason = ""
@@ -178,7 +181,8 @@ class WorkerClient:
         received = time.perf_counter()
         try:
             result = worker_wire.decode_result(reply, plan.num_seqs)
-            worker_wire.check_result(plan, result, self._vocab_size)
+            if self._samples:
+                worker_wire.check_result(plan, result, self._vocab_size)
         except ValueError as error:
             raise WorkerLost(f"worker {self.address} sent a malformed result: {error}") from error
         if result.step_id != plan.step_id:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.device.parallel import SINGLE, ParallelGroup
+from worker_svc.device.pipeline import PipelineStage, holds_tensor
 from worker_svc.layers.attention import PagedAttentionBackend, TorchPagedAttention
 from worker_svc.layers.cpu_attention import CpuPagedAttention
 from worker_svc.layers.moe import FusedMoE
@@ -235,13 +236,20 @@ class DecoderModel(nn.Module):
         kernels: str,
         group: ParallelGroup,
         dtype: torch.dtype,
+        stage: PipelineStage,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group, dtype)
-        self.layers = nn.ModuleList(
-            layer_cls(shape, i, backend, kernels, group, dtype) for i in range(shape.num_layers)
+        # A pipeline stage builds only its part: the embedding on the first (and on the last
+        # when the head is tied to it), its layers (the others hold nothing), the norm last.
+        embeds = stage.is_first or (stage.is_last and shape.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, group, dtype) if embeds else None
         )
-        self.norm = norm(shape, shape.hidden_size, kernels, dtype)
+        self.layers = nn.ModuleList(
+            layer_cls(shape, i, backend, kernels, group, dtype) if stage.holds(i) else nn.Identity()
+            for i in range(shape.num_layers)
+        )
+        self.norm = norm(shape, shape.hidden_size, kernels, dtype) if stage.is_last else None
 
 
 class CausalLM(nn.Module):
@@ -268,8 +276,11 @@ class CausalLM(nn.Module):
         attention_backend: str = "torch",
         group: ParallelGroup = SINGLE,
         renames: tuple[tuple[str, str], ...] = (),
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
+        self.stage = stage or PipelineStage(layers=range(shape.num_layers))
+        self.dtype = dtype
         self.renames = renames  # checkpoint name fragments and ours (Mixtral's block_sparse_moe)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -296,10 +307,12 @@ class CausalLM(nn.Module):
         else:
             backend_cls = TritonPagedAttention if attention_backend == "triton" else TorchPagedAttention
             self.attention = backend_cls(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
-        self.model = DecoderModel(shape, layer_cls, self.attention, attention_backend, group, dtype)
+        self.model = DecoderModel(shape, layer_cls, self.attention, attention_backend, group, dtype, self.stage)
         # A tied head reads the embedding's shard: no second copy, and no lm_head in the checkpoint.
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied, dtype)
+        self.lm_head = (
+            ParallelLMHead(shape.vocab_size, shape.hidden_size, group, tied, dtype) if self.stage.is_last else None
+        )
         # Gemma multiplies the embeddings by sqrt(hidden) rounded to the model dtype.
         self.embed_scale = float(torch.tensor(shape.embed_scale, dtype=dtype, device="cpu"))
 
@@ -310,17 +323,26 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [tokens, hidden]
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
+        """[tokens, hidden]: the final norm's output; on a stage before the last, what it
+        sent on (kv_caches: this stage's layers')."""
+        stage = self.stage
+        residual = None
+        if stage.is_first:
+            x = cast(nn.Module, self.model.embed_tokens)(input_ids)  # [tokens, hidden]
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale
+        else:
+            x, residual = stage.recv_hidden(input_ids.shape[0], self.shape.hidden_size, self.dtype, input_ids.device)
         ropes = {
             kind: (rotary, cast(RotaryEmbedding, rotary).lookup(positions)) for kind, rotary in self.rotaries.items()
         }
-        residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+        for i, kv_cache in zip(stage.layers, kv_caches):
             rotary, rope = ropes[self.shape.rope_kind(i)]
-            x, residual = layer(rotary, rope, x, residual, kv_cache, meta)
-        x, _ = self.model.norm(x, residual)
+            x, residual = self.model.layers[i](rotary, rope, x, residual, kv_cache, meta)
+        if not stage.is_last:
+            stage.send_hidden(x, cast(torch.Tensor, residual))
+            return x
+        x, _ = cast(nn.Module, self.model.norm)(x, residual)
         return x
 
     def pack_linear_weights(self) -> None:
@@ -334,7 +356,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] (the full vocabulary, on every rank): float32, or in the
         model's dtype without `upcast`; soft-capped where the family caps them (Gemma 2)."""
-        logits = self.lm_head(hidden)
+        logits = cast(nn.Module, self.lm_head)(hidden)
         if upcast:
             logits = logits.float()
         cap = self.shape.final_softcap
@@ -349,6 +371,8 @@ class CausalLM(nn.Module):
         expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", ("",))}
         loaded: set[tuple[str, str]] = set()
         for name, tensor in weights:
+            if not holds_tensor(self.stage, name, self.model.embed_tokens is not None):
+                continue  # another pipeline stage's
             if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.shape.tie_word_embeddings):
                 continue
             for theirs, ours in self.renames:

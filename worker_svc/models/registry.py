@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from worker_svc.device.parallel import SINGLE, ParallelGroup
+from worker_svc.device.pipeline import PipelineStage
 from worker_svc.models import gemma, llama, mixtral, phi3, qwen3
 from worker_svc.models.decoder import CausalLM, DecoderLayer
 from worker_svc.models.shape import ModelShape, architecture
@@ -59,8 +60,10 @@ def build_model(
     max_positions: int | None = None,
     attention_backend: str = "torch",
     group: ParallelGroup = SINGLE,
+    stage: PipelineStage | None = None,
 ) -> CausalLM:
-    """This rank's model for `config`, with uninitialised weights (see CausalLM.load_weights)."""
+    """This rank's model for `config` (of its pipeline stage, when it is one), with
+    uninitialised weights (see CausalLM.load_weights)."""
     family = family_of(config)
     shape = family.shape(config, group.world_size)
-    return CausalLM(config, shape, family.layer, dtype, max_positions, attention_backend, group, family.renames)
+    return CausalLM(config, shape, family.layer, dtype, max_positions, attention_backend, group, family.renames, stage)

@@ -28,11 +28,11 @@ from common.grpc.ports import EXCLUSIVE, bind, check_free, serve_http
 from common.grpc.tls import tls_mode
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from kernels.versions import require_gpu_stack
-from worker_svc.device.parallel import init_group
+from worker_svc.device.pipeline import join
 from worker_svc.service.metrics import WorkerMetrics
 from worker_svc.service.registration import Registrar, RegistrationRefused
 from worker_svc.service.servicer import WorkerServicer
-from worker_svc.step.loader import resolve_device
+from worker_svc.step.loader import load_config, resolve_device
 from worker_svc.step.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -88,10 +88,18 @@ class WorkerServer:
         device = rank_device(resolve_device(config.device), config.rank, config.world_size, config.dist_backend)
         if device.type == "cuda":
             require_gpu_stack()  # an old torch/triton fails here in one line, not in a kernel
-        group = init_group(
-            config.rank, config.world_size, config.dist_init_method, device, config.dist_timeout, config.dist_backend
+        group, stage = join(
+            config.rank,
+            config.world_size,
+            config.pipeline_stages,
+            load_config(config.model).get_text_config().num_hidden_layers,
+            config.dist_init_method,
+            device,
+            config.dist_timeout,
+            config.dist_backend,
+            config.pp_layer_split,
         )
-        self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
+        self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group, stage)
         self.metrics_port = metrics_port
         self.registrar = registrar
         self._registration: asyncio.Task[None] | None = None

@@ -159,16 +159,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     log.error("plan_refused", step_id=msg.step_id, reason=str(error))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {error}")
                 except Exception as error:  # noqa: BLE001
-                    group = self._runner.group
-                    if group.world_size > 1:
+                    if self._runner.config.world_size > 1:  # tensor-parallel ranks or pipeline stages
                         # A collective failed (a peer died or stalled past the timeout), or this
                         # rank's device or kernels did and its peers wait for it in a collective
                         # it will never join: the group is broken for good and every later step
                         # would fail or hang. Exit, so the group's launcher ends the other ranks too.
                         log.error(
                             "rank_failed",
-                            rank=group.rank,
-                            world_size=group.world_size,
+                            rank=self._runner.config.rank,
+                            world_size=self._runner.config.world_size,
                             step_id=msg.step_id,
                             reason=str(error),
                         )

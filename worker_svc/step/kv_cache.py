@@ -24,14 +24,17 @@ from worker_svc.models.shape import ModelShape
 GIB = 1024**3
 
 
-def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for `block_size` tokens."""
+def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """K and V of every layer (of `layers`, a pipeline stage's count) for `block_size` tokens."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * itemsize
+    n = shape.num_layers if layers is None else layers
+    return 2 * n * block_size * shape.num_kv_heads * shape.head_dim * itemsize
 
 
-def blocks_in(budget_bytes: float, shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
-    return max(0, int(budget_bytes // bytes_per_block(shape, block_size, dtype)))
+def blocks_in(
+    budget_bytes: float, shape: ModelShape, block_size: int, dtype: torch.dtype, layers: int | None = None
+) -> int:
+    return max(0, int(budget_bytes // bytes_per_block(shape, block_size, dtype, layers)))
 
 
 class KVCache:
@@ -43,6 +46,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_cpu_blocks: int = 0,
+        layers: int | None = None,  # a pipeline stage's; None: the model's
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(
@@ -57,7 +61,7 @@ class KVCache:
         # zeros, not empty: a stray read of an unwritten slot must give finite values.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(layout, dtype=dtype, device=device), torch.zeros(layout, dtype=dtype, device=device))
-            for _ in range(shape.num_layers)
+            for _ in range(shape.num_layers if layers is None else layers)
         ]
         # Pinned on CUDA: page-locked memory is what the DMA engine copies from and to at full
         # speed, and the OS never pages it out. empty, not zeros: a host block is read only by
@@ -67,7 +71,7 @@ class KVCache:
         host_layout = (num_cpu_blocks, *layout[1:])
         self.host_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._host_empty(host_layout, dtype), self._host_empty(host_layout, dtype))
-            for _ in range(shape.num_layers)
+            for _ in range(shape.num_layers if layers is None else layers)
         ]
 
     @property

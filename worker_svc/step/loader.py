@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from worker_svc.device.cpu_features import cpu_has_fast_bf16
 from worker_svc.device.parallel import SINGLE, ParallelGroup
+from worker_svc.device.pipeline import PipelineStage
 from worker_svc.layers.replicated import Loaded
 from worker_svc.models.decoder import CausalLM
 from worker_svc.models.registry import build_model
@@ -117,11 +118,13 @@ def load_model(
     max_positions: int | None = None,
     attention_backend: str = "torch",
     group: ParallelGroup = SINGLE,
+    stage: PipelineStage | None = None,
 ) -> CausalLM:
-    """This rank's shard of the model (the whole model for a group of one)."""
+    """This rank's shard of the model (the whole model for a group of one), of its pipeline
+    stage's layers only."""
     config = load_config(model_dir)
     with torch.device(device):
-        model = build_model(config, dtype, max_positions, attention_backend, group)
+        model = build_model(config, dtype, max_positions, attention_backend, group, stage)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     if attention_backend == "cpu":
@@ -136,6 +139,8 @@ def load_model(
         attention_backend=attention_backend,
         tp_rank=group.rank,
         tp_size=group.world_size,
+        pp_stage=model.stage.stage,
+        stage_layers=f"{model.stage.layers.start}-{model.stage.layers.stop - 1}",
         parameters=sum(p.numel() for p in model.parameters()),
     )
     return model

@@ -14,24 +14,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
 from common.config import WorkerConfig
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
-from kernels import workspace
 from kernels.fused_moe import BLOCK_M, moe_block_m_tokens
 from kernels.limits import max_tokens_per_step
 from kernels.paged_attention import MERGE_PADS, decode_shapes, decode_workspace
 from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device, dist_backend
+from worker_svc.device.pipeline import PipelineStage
 from worker_svc.layers.replicated import cpu_kernels_for
 from worker_svc.layers.triton_attention import TritonAttentionMetadata
 from worker_svc.lora.lora_slots import LoraSlots
 from worker_svc.step import host_memory, kv_cache
 from worker_svc.step.cuda_graphs import DecodeGraphs
+from worker_svc.step.device_memory import kv_budget, reserved_growth, workspace_bytes
 from worker_svc.step.host_allocator import keep_freed_memory
 from worker_svc.step.kv_cache import KVCache
 from worker_svc.step.loader import (
@@ -56,8 +58,6 @@ from worker_svc.step.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
 
 def triton_token_limit(hf_config: Any) -> int:
     """kernels.limits.max_tokens_per_step for a checkpoint's whole shape (a rank's share
@@ -73,37 +73,12 @@ def triton_token_limit(hf_config: Any) -> int:
     )
 
 
-def kv_budget(total: int, free: int, allocated: int, utilization: float, step_peak: int, graph_pool: int) -> float:
-    """Bytes for the KV cache: `utilization` of the device's `total`, less what is in use
-    elsewhere (total - free - allocated, read after the probes with the caches emptied: other
-    processes, the CUDA context), less `step_peak` (the weights and the heaviest step's peak),
-    less `graph_pool` (what the decode graphs, captured after the cache, will hold); >= 0."""
-    in_use_elsewhere = total - free - allocated
-    return max(total * utilization - in_use_elsewhere - step_peak - graph_pool, 0.0)
-
-
-def reserved_growth(device: torch.device, run: Callable[[], T]) -> tuple[T, int]:
-    """`run()`'s result and the device memory torch reserves more after it, with both caches
-    emptied: what it keeps (a graph's pool, a grown workspace), not what it used and freed."""
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved(device)
-    out = run()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return out, torch.cuda.memory_reserved(device) - before
-
-
-def _workspace_bytes(device: torch.device) -> int:
-    buf = workspace.buffer(device)
-    return 0 if buf is None else buf.numel() * buf.element_size()
-
-
 class RunnerSetup(ABC):
     """A runner's state, built in `__init__` (weights, adapter slots, the KV cache and swap
     pool, the captured graphs); ModelRunner adds the step. `group`: the tensor-parallel group
     this runner is a rank of."""
 
-    def __init__(self, config: WorkerConfig, group: ParallelGroup = SINGLE) -> None:
+    def __init__(self, config: WorkerConfig, group: ParallelGroup = SINGLE, stage: PipelineStage | None = None) -> None:
         self.config = config
         self.group = group
         self.device = resolve_device(config.device)
@@ -123,8 +98,11 @@ class RunnerSetup(ABC):
                 f"tokens one step may carry through this model's Triton kernels (their int32 indices would wrap)"
             )
         self.model = load_model(
-            config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group
+            config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group, stage=stage
         )
+        self.stage = self.model.stage
+        if self.stage.pipelined and config.lora is not None:
+            raise ValueError("--enable-lora with --pp is not supported yet: serve adapters with --tp alone")
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         # Adapter slots before the KV cache is sized: on CUDA the profile then counts them.
         self.lora = (
@@ -142,6 +120,10 @@ class RunnerSetup(ABC):
         # What the last step sampled, by sequence: the next plan's deferred inputs. The only
         # thing a worker carries from one step to the next.
         self._last_sampled: dict[int, int] = {}
+        # A pipeline's first stage: the sequences of its last step, whose tokens the last
+        # stage sends back (ModelRunner._receive_sampled).
+        self._sampled_due: np.ndarray | None = None
+        self._tokens_sent: Callable[[], None] | None = None  # the last stage's send of them
         # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
         self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
         self.shape = self.model.shape
@@ -152,7 +134,9 @@ class RunnerSetup(ABC):
         self.graph_pool_bytes: int | None = None  # what the profile's trial capture held, less the workspace
         self.captured_graph_bytes: int | None = None  # and what serving's capture held
         num_blocks = self._kv_capacity()
-        self.kv = KVCache(self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity())
+        self.kv = KVCache(
+            self.shape, num_blocks, self.block_size, self.dtype, self.device, self._swap_capacity(), self._layers
+        )
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,
@@ -170,6 +154,11 @@ class RunnerSetup(ABC):
         if self._warms_up():
             self._warm_up()
         self._graphs = self._capture_graphs() if self._use_graphs() else None
+
+    @property
+    def _layers(self) -> int:
+        """Decoder layers this rank holds a KV cache for: its pipeline stage's."""
+        return len(self.stage.layers)
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult:
@@ -248,6 +237,8 @@ class RunnerSetup(ABC):
             and not self.config.profile_steps
             # A gloo collective passes through the host, which a capture cannot contain.
             and not (self.group.world_size > 1 and dist_backend(self.config.dist_backend, self.device) == "gloo")
+            # Nor do the stages' sends and receives (eager until they are captured too).
+            and not self.stage.pipelined
         )
 
     def _captured_graphs(self, buckets: Buckets) -> tuple[DecodeGraphs, int]:
@@ -288,12 +279,13 @@ class RunnerSetup(ABC):
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            rank=self.group.rank,
-            world_size=self.group.world_size,
+            rank=self.stage.world_rank if self.stage.pipelined else self.group.rank,
+            world_size=self.group.world_size * self.stage.num_stages,
             block_size=self.block_size,
             num_gpu_blocks=self.kv.num_blocks,
             num_cpu_blocks=self.kv.num_cpu_blocks,
-            block_bytes=kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype),
+            block_bytes=kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype, self._layers),
+            pipeline_stages=self.stage.num_stages,
             max_loras=self.lora.max_loras if self.lora is not None else 0,
             max_lora_rank=self.config.lora.max_lora_rank if self.config.lora is not None else 0,
         )
@@ -310,7 +302,7 @@ class RunnerSetup(ABC):
             budget = host_memory.default_cpu_kv_bytes(host_memory.available_bytes())
         else:
             budget = self._profile_cuda_budget()
-        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype, self._layers)
 
     def _swap_capacity(self) -> int:
         """Host blocks for preempted sequences; 0 turns swapping off."""
@@ -321,7 +313,7 @@ class RunnerSetup(ABC):
             budget = cache.swap_space_gb * kv_cache.GIB
         else:
             budget = host_memory.default_swap_bytes(self.device.type, host_memory.available_bytes())
-        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype)
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype, self._layers)
 
     def _profiles_memory(self) -> bool:
         return self.device.type == "cuda"
@@ -342,7 +334,7 @@ class RunnerSetup(ABC):
                 self.config.max_num_seqs, self.max_model_len - 1, self.block_size, self.shape.vocab_size, blocks
             )
             probes.append((widest, "--max-num-seqs or --max-model-len, or use --attention-backend triton"))
-        self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.shape, blocks, self.block_size, self.dtype, self.device, layers=self._layers)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -385,7 +377,7 @@ class RunnerSetup(ABC):
         and an eager step would count the LM head and sampling, outside the graphs. Smaller
         buckets reuse the pool, their outputs may come on top: cuda_graphs_memory tells."""
         largest = graph_buckets(self.config.max_num_seqs).largest
-        workspace_before = _workspace_bytes(self.device)
+        workspace_before = workspace_bytes(self.device)
         try:
             trial, held = self._captured_graphs(Buckets((largest,)))
         except torch.cuda.OutOfMemoryError as error:
@@ -395,5 +387,5 @@ class RunnerSetup(ABC):
             ) from error
         del trial  # with its graph and outputs goes the pool (emptied with the caches next)
         # The workspace it grew stays, reserved: serving's capture will hold all but that again.
-        self.graph_pool_bytes = held - (_workspace_bytes(self.device) - workspace_before)
+        self.graph_pool_bytes = held - (workspace_bytes(self.device) - workspace_before)
         return max(held, 0)

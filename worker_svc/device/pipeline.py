@@ -1,0 +1,181 @@
+"""This process's pipeline stage: which layers it holds, and the point-to-point links to the
+stages before and after it.
+
+A worker group of pp x tp ranks is laid out stage-major: rank r is stage r // tp, tensor-
+parallel rank r % tp inside it. Stage s holds layers `layers` (the first stage also the
+embedding, the last the final norm and the LM head); each stage's tp ranks form their own
+tensor-parallel group (worker_svc.device.parallel). Every stage gets the same plan and builds
+the same step inputs, so the shapes of what passes between stages are known on both sides:
+
+    stage s, tp rank t  --[x, residual]-->  stage s + 1, tp rank t        every step
+    last stage, rank t  --sampled tokens-->  first stage, rank t          every step with rows
+
+The tokens go back because the first stage embeds the next step's inputs, and a plan made
+before this step's result names them as DEFERRED_INPUT (common/plan.py). Nothing else is
+kept between steps. Tags keep the two directions apart where they share a pair of ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker_svc.device.parallel import LOAD_TIMEOUT_S, ParallelGroup, bind_device, dist_backend, init_group
+
+_HIDDEN_TAG = 1
+_TOKENS_TAG = 2
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """`layers`: this stage's decoder layers (global indices). `world_rank`, `tp`: where this
+    rank sits in the whole group, to find its peers. `links`: the group the point-to-point
+    transfers run over (the step timeout applies to them), None for a single stage."""
+
+    stage: int = 0
+    num_stages: int = 1
+    layers: range = range(0)
+    world_rank: int = 0
+    tp: int = 1
+    links: Any = None
+    # Where transferred tensors must be: the device under NCCL, the host under gloo.
+    link_device: torch.device = torch.device("cpu")
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.num_stages > 1
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.layers or not self.pipelined
+
+    def send_hidden(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """[rows, hidden] twice, to the next stage's rank of the same tp rank."""
+        both = torch.stack((x, residual)).to(self.link_device)
+        dist.send(both, self.world_rank + self.tp, self.links, tag=_HIDDEN_TAG)
+
+    def recv_hidden(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[2, rows, hidden]: the previous stage's (x, residual)."""
+        buf = torch.empty(2, rows, hidden, dtype=dtype, device=self.link_device)
+        dist.recv(buf, self.world_rank - self.tp, self.links, tag=_HIDDEN_TAG)
+        return buf.to(device)
+
+    def send_tokens(self, sampled: torch.Tensor) -> Callable[[], None]:
+        """The last stage's sampled tokens (int32 [seqs], -1 where none) to the first stage,
+        which takes them when its next step starts; returns the wait for the send to finish.
+        The step's result must not wait for it: the scheduler may only send the next plan
+        once it has that result."""
+        first = self.world_rank % self.tp
+        buf = sampled.to(self.link_device, torch.int32)
+        work = dist.isend(buf, first, self.links, tag=_TOKENS_TAG)
+        assert work is not None  # None only for a rank outside the group, which this is not
+
+        def finish() -> None:
+            work.wait()
+            buf.data_ptr()  # the buffer lives until the send is done
+
+        return finish
+
+    def recv_tokens(self, num_seqs: int) -> torch.Tensor:
+        """int32 [seqs] on the host: what the last stage sampled in the step before."""
+        buf = torch.empty(num_seqs, dtype=torch.int32, device=self.link_device)
+        last = (self.num_stages - 1) * self.tp + self.world_rank
+        dist.recv(buf, last, self.links, tag=_TOKENS_TAG)
+        return buf.cpu()
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def holds_tensor(stage: PipelineStage, name: str, has_embedding: bool) -> bool:
+    """Whether checkpoint tensor `name` belongs on this stage (so that the others never read it)."""
+    if not stage.pipelined:
+        return True
+    layer = _LAYER.search(name)
+    if layer is not None:
+        return stage.holds(int(layer.group(1)))
+    if "embed_tokens." in name:
+        return has_embedding
+    if name.startswith("lm_head.") or re.search(r"(?:^|\.)norm\.", name):
+        return stage.is_last
+    return True
+
+
+def layer_split(num_layers: int, num_stages: int, split: tuple[int, ...] = ()) -> list[range]:
+    """Each stage's layers: `split` gives their counts, in stage order; without it, as even as
+    they go, with the remainder on the stages after the first (which also embeds) and before
+    the last (which also runs the LM head), from the middle out."""
+    if num_stages < 1:
+        raise ValueError(f"--pp must be at least 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(f"--pp {num_stages} is more stages than the model's {num_layers} layers")
+    if split:
+        if len(split) != num_stages or min(split) < 1 or sum(split) != num_layers:
+            raise ValueError(
+                f"--pp-layer-split {','.join(map(str, split))}: want {num_stages} counts of at least 1 "
+                f"that add up to the model's {num_layers} layers"
+            )
+        counts = list(split)
+    else:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base] * num_stages
+        order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(2 * s - (num_stages - 1))))
+        for s in order[:extra]:
+            counts[s] += 1
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def join(
+    rank: int,
+    world_size: int,
+    num_stages: int,
+    num_layers: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float = 300.0,
+    backend: str = "auto",
+    split: tuple[int, ...] = (),
+) -> tuple[ParallelGroup, PipelineStage]:
+    """Join a group of `world_size` ranks in `num_stages` stages: this rank's tensor-parallel
+    group (of its stage) and its stage. With one stage, the stage is trivial and the
+    tensor-parallel group is what parallel.init_group would make."""
+    if world_size % num_stages:
+        raise ValueError(f"{world_size} ranks cannot form {num_stages} pipeline stages of equal width")
+    tp = world_size // num_stages
+    stage = rank // tp
+    layers = layer_split(num_layers, num_stages, split)
+    if num_stages == 1:
+        return init_group(rank, world_size, init_method, device, timeout_s, backend), PipelineStage(layers=layers[0])
+    bind_device(device)
+    resolved = dist_backend(backend, device)
+    dist.init_process_group(
+        backend=resolved,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=max(timeout_s, LOAD_TIMEOUT_S)),
+    )
+    step_timeout = datetime.timedelta(seconds=timeout_s)
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=step_timeout) for s in range(num_stages)]
+    links = dist.new_group(list(range(world_size)), timeout=step_timeout)
+    group = ParallelGroup(rank % tp, tp, stage_groups[stage])
+    link_device = device if resolved == "nccl" else torch.device("cpu")
+    return group, PipelineStage(stage, num_stages, layers[stage], rank, tp, links, link_device)
