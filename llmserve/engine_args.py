@@ -72,6 +72,7 @@ def engine_args(model: str | None, log_level: str, options: dict[str, Any]) -> E
     resolved = configs.model_dir(model)
     configs.worker_config(flags, resolved)  # checks the worker options as `up` does before starting anything
     configs.check_tp(resolved, flags.tp)
+    configs.check_pp(resolved, flags.pp, flags.pp_layer_split)
     if flags.workers < 1:
         raise ValueError(f"workers: must be at least 1, got {flags.workers}")
     return EngineArgs(model=resolved, flags=flags, scheduler=configs.scheduler_config(flags))

@@ -53,6 +53,7 @@ class LLM:
         dtype: str = "auto",
         tp: int = 1,
         tensor_parallel_size: int | None = None,
+        pipeline_parallel_size: int | None = None,
         seed: int | None = None,
         log_level: str = "warning",
         **engine_options: Any,
@@ -64,6 +65,8 @@ class LLM:
         repeats. `log_level` is the engine's and the workers'."""
         if tensor_parallel_size is not None:  # vLLM's name for tp
             tp = tensor_parallel_size
+        if pipeline_parallel_size is not None:  # and for pp
+            engine_options["pp"] = pipeline_parallel_size
         if not structlog.is_configured():
             logsetup.configure(log_level)
         args = engine_args(model, log_level, {"dtype": dtype, "tp": tp, **engine_options})
@@ -76,7 +79,7 @@ class LLM:
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process ids of the worker processes (each rank group's launcher when tp > 1)."""
+        """Process ids of the worker processes (each rank group's launcher when tp x pp > 1)."""
         return [w.proc.pid for w in self._engine.workers if w.proc is not None]
 
     def get_tokenizer(self) -> Any:

@@ -106,12 +106,12 @@ class LocalEngine:
             ]
             # A session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
             # interrupts the caller's generate, not the worker, which keeps serving the next call.
-            env = {**(gpu_share(i, a.tp, a.workers) or os.environ), WORKER_TOKEN_ENV: token}
+            env = {**(gpu_share(i, a.tp * a.pp, a.workers) or os.environ), WORKER_TOKEN_ENV: token}
             worker = Supervised(cmd, env=env, own_session=True)
             worker.start()
             self.workers.append(worker)
-            ranks = rank_addresses(address, a.tp)
-            links.append(RankLinks(ranks, token=token) if a.tp > 1 else WorkerClient(address, token=token))
+            ranks = rank_addresses(address, a.tp * a.pp)
+            links.append(RankLinks(ranks, token=token) if len(ranks) > 1 else WorkerClient(address, token=token))
         self._engine = Engine(
             ModelSpec.from_dir(args.model), self.tokenizer, args.scheduler, links, chat_template=self.chat_template
         )

@@ -29,6 +29,7 @@ from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from tests.plans import Feed, make_plan
 from worker_svc.device.parallel import ParallelGroup, bind_device, dist_backend, init_group
+from worker_svc.device.pipeline import PipelineStage
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.models.registry import build_model
 from worker_svc.service.server import rank_device
@@ -137,7 +138,7 @@ class FakeRunner:
     ) -> None:
         self.device = torch.device(device)
         self.group = ParallelGroup(0, world_size)
-        self.config = SimpleNamespace(profile_steps=False)
+        self.config = SimpleNamespace(profile_steps=False, world_size=world_size, rank=0)
         self.refuse, self.fail = refuse, fail
         self.launched_on: list[tuple[str, int]] = []  # (thread name, current device) per forward
 
@@ -349,6 +350,10 @@ def test_a_group_over_gloo_on_cuda_runs_without_graphs(backend: str, world_size:
 
     config = WorkerConfig(model="m", world_size=world_size, dist_init_method="tcp://x:1", dist_backend=backend)
     runner = SimpleNamespace(
-        device=torch.device("cuda", 0), attention_backend="triton", config=config, group=ParallelGroup(0, world_size)
+        device=torch.device("cuda", 0),
+        attention_backend="triton",
+        config=config,
+        group=ParallelGroup(0, world_size),
+        stage=PipelineStage(),
     )
     assert RunnerSetup._use_graphs(runner) is graphs  # type: ignore[arg-type]

@@ -250,3 +250,20 @@ def test_a_worker_info_names_the_pipelines_driver() -> None:
     assert "4 pipeline stages in a group of 6" in (
         out_of_bounds(WorkerInfo(**{**info.__dict__, "pipeline_stages": 4})) or ""
     )
+
+
+def test_the_offline_llm_takes_vllms_pipeline_parallel_size(four_layers: Path) -> None:
+    from llmserve import LLM, SamplingParams
+
+    prompts = prompts_for(5, (12, 25))
+    want = reference_greedy(four_layers, LlamaForCausalLM, prompts)
+    llm = LLM(str(four_layers), dtype="float32", device="cpu", num_gpu_blocks=64, pipeline_parallel_size=2)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.close()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

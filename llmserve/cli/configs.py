@@ -229,7 +229,8 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         dist_init_method=getattr(a, "dist_init", ""),
         dist_timeout=a.dist_timeout,
         dist_backend=a.dist_backend,
-        pipeline_stages=a.pp,
+        # A rank's: the parent that starts the ranks validates its flags as one process.
+        pipeline_stages=a.pp if getattr(a, "world_size", None) else 1,
         pp_layer_split=layer_counts(a.pp_layer_split),
         lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
     )
