@@ -5,63 +5,23 @@ that dies ends its group; the split and the loading are checked piece by piece."
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from common.worker_info import WorkerInfo, out_of_bounds
-from tests.conftest import REPO, collect, free_port, make_tiny_model, request, start_scheduler, stop_scheduler
+from tests.conftest import REPO, collect, make_tiny_model, request, start_scheduler, stop_scheduler
 from tests.engine_state import first_scheduler
 from tests.test_model_families_e2e import reference_greedy
-from tests.test_smollm2_e2e import children_of
-from tests.test_tp_service import _busy, alive
+from tests.test_tp_service import kill_a_rank_mid_stream, start_group
 from worker_svc.device.pipeline import PipelineStage, holds_tensor, layer_split
 from worker_svc.step.loader import load_model
 
 NEW_TOKENS = 16
-
-
-def start_pipeline(
-    model_dir: Path, pp: int, tp: int = 1, *extra: str, dist_timeout: float = 20.0
-) -> tuple[subprocess.Popen[bytes], list[str]]:
-    ranks = pp * tp
-    port = free_port()
-    while any(_busy(port + r) for r in range(1, ranks)):
-        port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmserve.cli",
-        "--log-level",
-        "warning",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--num-gpu-blocks",
-        "64",
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--dist-timeout",
-        str(dist_timeout),
-        *extra,
-    ]
-    return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(ranks)]
 
 
 async def stream_through(model_dir: Path, addresses: list[str], prompts: list[list[int]]) -> list[list[int]]:
@@ -85,7 +45,7 @@ def prompts_for(seed: int, lengths: tuple[int, ...] = (20, 9, 31)) -> list[list[
 
 
 async def served(model_dir: Path, pp: int, tp: int, prompts: list[list[int]], *extra: str) -> list[list[int]]:
-    launcher, addresses = start_pipeline(model_dir, pp, tp, *extra)
+    launcher, addresses = start_group(model_dir, tp, 20.0, extra, pp=pp)
     try:
         return await stream_through(model_dir, addresses, prompts)
     finally:
@@ -142,37 +102,8 @@ async def test_smollm2_through_two_stages_equals_transformers(smollm2_dir: Path)
 
 
 async def test_killing_a_stage_ends_the_group_and_leaves_no_process(four_layers: Path) -> None:
-    launcher, addresses = start_pipeline(four_layers, 2, dist_timeout=4.0)
-    s = await start_scheduler(four_layers, ",".join(addresses))
-    try:
-        await s.wait_ready()
-        ranks = children_of(launcher.pid)
-        assert len(ranks) == 2
-        call = s.stub.Generate(request(ids=[5, 6, 7], max_tokens=400, ignore_eos=True))
-        await call.read()
-        first_stage = next(
-            pid
-            for pid in ranks
-            if f"127.0.0.1:{addresses[0].rsplit(':', 1)[1]}"
-            in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-        )
-        os.kill(first_stage, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        assert err.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
-        assert time.monotonic() - start < 15
-        assert launcher.wait(30) != 0
-        deadline = time.monotonic() + 10
-        while alive(ranks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert not alive(ranks), "a stage outlived its group"
-    finally:
-        await stop_scheduler(s)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    launcher, addresses = start_group(four_layers, 1, dist_timeout=4.0, pp=2)
+    await kill_a_rank_mid_stream(four_layers, launcher, addresses, victim=0, within=15)
 
 
 def test_a_pipeline_the_model_cannot_form_is_refused_at_start(four_layers: Path) -> None:

@@ -24,10 +24,12 @@ PROMPTS = [[200 + 13 * i + k for k in range(5 + 7 * i)] for i in range(4)]
 
 
 def start_group(
-    model_dir: Path, tp: int, dist_timeout: float = 5.0, extra: tuple[str, ...] = ()
+    model_dir: Path, tp: int, dist_timeout: float = 5.0, extra: tuple[str, ...] = (), pp: int = 1
 ) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """`llmserve worker --tp tp --pp pp` on the CPU, and its ranks' addresses in rank order."""
+    ranks = tp * pp
     port = free_port()
-    while any(_busy(port + r) for r in range(1, tp)):
+    while any(_busy(port + r) for r in range(1, ranks)):
         port = free_port()
     cmd = [
         sys.executable,
@@ -48,11 +50,13 @@ def start_group(
         "64",
         "--tp",
         str(tp),
+        "--pp",
+        str(pp),
         "--dist-timeout",
         str(dist_timeout),
         *extra,
     ]
-    return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(tp)]
+    return subprocess.Popen(cmd, cwd=REPO), [f"127.0.0.1:{port + r}" for r in range(ranks)]
 
 
 def _busy(port: int) -> bool:
@@ -91,29 +95,28 @@ async def test_a_tp2_group_streams_what_one_worker_streams(tiny_model_dir: Path,
         assert launcher.wait(30) == 0
 
 
-async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_dir: Path) -> None:
-    launcher, addresses = start_group(tiny_model_dir, 2, dist_timeout=4.0)
-    s = await start_scheduler(tiny_model_dir, ",".join(addresses))
+async def kill_a_rank_mid_stream(
+    model_dir: Path, launcher: subprocess.Popen[bytes], addresses: list[str], victim: int, within: float
+) -> None:
+    """SIGKILL rank `victim` while a stream runs: the stream ends with an error within `within`
+    seconds, the group's launcher exits non-zero and no rank outlives it."""
+    s = await start_scheduler(model_dir, ",".join(addresses))
     try:
         await s.wait_ready()
         ranks = children_of(launcher.pid)
-        assert len(ranks) == 2
+        assert len(ranks) == len(addresses)
         call = s.stub.Generate(request(ids=[5, 6, 7], max_tokens=400, ignore_eos=True))
         await call.read()
-        victim = next(
-            pid
-            for pid in ranks
-            if f"127.0.0.1:{addresses[1].rsplit(':', 1)[1]}"
-            in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-        )
-        os.kill(victim, signal.SIGKILL)
+        port = addresses[victim].rsplit(":", 1)[1]
+        pid = next(p for p in ranks if f"127.0.0.1:{port}" in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
+        os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             while await call.read() is not grpc.aio.EOF:
                 pass
         assert err.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
-        assert time.monotonic() - start < 10
-        # The surviving rank fails its collective within the 4 s timeout; the launcher ends.
+        assert time.monotonic() - start < within
+        # The surviving ranks fail their next collective or transfer within the timeout.
         assert launcher.wait(30) != 0
         deadline = time.monotonic() + 10
         while alive(ranks) and time.monotonic() < deadline:
@@ -124,6 +127,11 @@ async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+async def test_killing_one_rank_ends_the_group_and_leaves_no_process(tiny_model_dir: Path) -> None:
+    launcher, addresses = start_group(tiny_model_dir, 2, dist_timeout=4.0)
+    await kill_a_rank_mid_stream(tiny_model_dir, launcher, addresses, victim=1, within=10)
 
 
 def test_a_group_size_the_model_cannot_split_is_refused_at_start(tiny_model_dir: Path) -> None:

@@ -118,18 +118,29 @@ def init_group(
     bind_device(device)
     if world_size == 1:
         return ParallelGroup(rank, world_size)
-    # Ranks load their weights at different speeds (a shared disk, a large model), so the
-    # rendezvous and the first barrier get the load timeout; the step collectives run on a
-    # group of the same ranks with the short timeout that detects a dead or stalled peer.
+    join_world(rank, world_size, init_method, device, timeout_s, backend)
+    steps = dist.new_group(ranks=list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelGroup(rank, world_size, steps)
+
+
+def join_world(
+    rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float, backend: str
+) -> str:
+    """Join torch.distributed's world of `world_size` ranks; returns the backend it runs on.
+
+    Ranks load their weights at different speeds (a shared disk, a large model), so the
+    rendezvous and the first barrier get the load timeout; the step collectives run on groups
+    the caller makes with `timeout_s`, the short timeout that detects a dead or stalled peer.
+    """
+    resolved = dist_backend(backend, device)
     dist.init_process_group(
-        backend=dist_backend(backend, device),
+        backend=resolved,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=max(timeout_s, LOAD_TIMEOUT_S)),
     )
-    steps = dist.new_group(ranks=list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelGroup(rank, world_size, steps)
+    return resolved
 
 
 # ---- which group sizes a model can be split into ----

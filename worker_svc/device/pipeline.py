@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker_svc.device.parallel import LOAD_TIMEOUT_S, ParallelGroup, bind_device, dist_backend, init_group
+from worker_svc.device.parallel import ParallelGroup, bind_device, init_group, join_world
 
 _HIDDEN_TAG = 1
 _TOKENS_TAG = 2
@@ -164,14 +164,7 @@ def join(
     if num_stages == 1:
         return init_group(rank, world_size, init_method, device, timeout_s, backend), PipelineStage(layers=layers[0])
     bind_device(device)
-    resolved = dist_backend(backend, device)
-    dist.init_process_group(
-        backend=resolved,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=max(timeout_s, LOAD_TIMEOUT_S)),
-    )
+    resolved = join_world(rank, world_size, init_method, device, timeout_s, backend)
     step_timeout = datetime.timedelta(seconds=timeout_s)
     # Every rank creates every group, in the same order (torch.distributed's rule).
     stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=step_timeout) for s in range(num_stages)]
