@@ -5,6 +5,8 @@ that dies ends its group; the split and the loading are checked piece by piece."
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,8 @@ from common.worker_info import WorkerInfo, out_of_bounds
 from tests.conftest import REPO, collect, make_tiny_model, request, start_scheduler, stop_scheduler
 from tests.engine_state import first_scheduler
 from tests.test_model_families_e2e import reference_greedy
-from tests.test_tp_service import kill_a_rank_mid_stream, start_group
+from tests.test_registration import until
+from tests.test_tp_service import children_of, kill_a_rank_mid_stream, start_group
 from worker_svc.device.pipeline import PipelineStage, holds_tensor, layer_split
 from worker_svc.step.loader import load_model
 
@@ -104,6 +107,44 @@ async def test_smollm2_through_two_stages_equals_transformers(smollm2_dir: Path)
 async def test_killing_a_stage_ends_the_group_and_leaves_no_process(four_layers: Path) -> None:
     launcher, addresses = start_group(four_layers, 1, dist_timeout=4.0, pp=2)
     await kill_a_rank_mid_stream(four_layers, launcher, addresses, victim=0, within=15)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["first-stage", "last-stage"])
+async def test_a_killed_stage_costs_its_requests_a_re_prefill_on_the_other_group(
+    four_layers: Path, victim: int
+) -> None:
+    """Two pipelines under one scheduler; one stage of the first is SIGKILLed mid-stream: every
+    stream ends with exactly the tokens of its undisturbed run, and no block is left taken."""
+    groups = [start_group(four_layers, 1, dist_timeout=4.0, pp=2) for _ in range(2)]
+    s = await start_scheduler(four_layers, [",".join(addresses) for _, addresses in groups])  # type: ignore[arg-type]
+    try:
+        await until(lambda: len(s.engine.replicas) == 2 and all(r.scheduler for r in s.engine.replicas), timeout=120)
+        reqs = [request(ids=p, max_tokens=40, ignore_eos=True) for p in prompts_for(3, tuple(range(5, 37, 4)))]
+        undisturbed = [g.token_ids for g in await asyncio.gather(*(collect(s.stub, r) for r in reqs))]
+        assert all(r.scheduler.next_step_id > 0 for r in s.engine.replicas)  # both groups served
+        await s.wait_idle()
+
+        tasks = [asyncio.create_task(collect(s.stub, r)) for r in reqs]
+        doomed = s.engine.replicas[0]
+        deadline = asyncio.get_running_loop().time() + 30
+        while not any(g.seqs[0].num_output_tokens >= 2 for g in doomed.scheduler.queues.running):
+            assert asyncio.get_running_loop().time() < deadline, "the first group never ran a request"
+            await asyncio.sleep(0.002)
+        ranks = children_of(groups[0][0].pid)
+        port = groups[0][1][victim].rsplit(":", 1)[1]
+        pid = next(p for p in ranks if f"127.0.0.1:{port}" in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
+        os.kill(pid, signal.SIGKILL)
+        disturbed = [g.token_ids for g in await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)]
+        assert disturbed == undisturbed
+        assert [r.name for r in s.engine.replicas] == [",".join(groups[1][1])]
+        await s.wait_idle()
+        assert groups[0][0].wait(30) != 0  # the lost group's launcher ends with its stage
+    finally:
+        await stop_scheduler(s)
+        for launcher, _ in groups:
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.wait(30)
 
 
 def test_a_pipeline_the_model_cannot_form_is_refused_at_start(four_layers: Path) -> None:

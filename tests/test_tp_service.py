@@ -23,14 +23,19 @@ from tests.test_smollm2_e2e import children_of
 PROMPTS = [[200 + 13 * i + k for k in range(5 + 7 * i)] for i in range(4)]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def start_group(
     model_dir: Path, tp: int, dist_timeout: float = 5.0, extra: tuple[str, ...] = (), pp: int = 1
 ) -> tuple[subprocess.Popen[bytes], list[str]]:
     """`llmserve worker --tp tp --pp pp` on the CPU, and its ranks' addresses in rank order."""
     ranks = tp * pp
     port = free_port()
-    while any(_busy(port + r) for r in range(1, ranks)):
+    # Ports this process handed out are not yet bound when a second group starts at once.
+    while any(_busy(port + r) or port + r in _HANDED_OUT for r in range(ranks)):
         port = free_port()
+    _HANDED_OUT.update(range(port, port + ranks))
     cmd = [
         sys.executable,
         "-m",
