@@ -71,6 +71,10 @@ async def test_model_info_and_load(tiny_scheduler: Scheduler) -> None:
     idle = await stub.GetLoad(pb.GetLoadRequest())
     assert (idle.running, idle.waiting, idle.swapped) == (0, 0, 0)
     assert idle.groups[0].free_gpu_blocks == idle.groups[0].num_gpu_blocks
+    await collect(stub, request(ids=[9, 9, 9], max_tokens=8, ignore_eos=True))
+    await tiny_scheduler.wait_idle()
+    measured = (await stub.GetLoad(pb.GetLoadRequest())).groups[0]
+    assert measured.tokens_per_second > 0 and measured.running == 0  # kept while the group idles
 
 
 async def test_request_id_metadata_is_echoed_and_never_a_key(tiny_scheduler: Scheduler) -> None:

@@ -21,6 +21,7 @@ from common.model_spec import ModelSpec
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.group_speed import MIN_STEPS, GroupSpeed
 from scheduler_svc.engine.replica import Replica
 from scheduler_svc.engine.request import GenerationRequest, RequestOutput
 from scheduler_svc.engine.router import Router
@@ -156,6 +157,46 @@ def test_a_burst_spreads_over_equal_groups_by_queued_demand() -> None:
         assert target is not None
         target.post(g)
     assert (a.num_queued, b.num_queued) == (3, 3)
+
+
+def measured(r: Replica, tokens_per_s: float) -> Replica:
+    for _ in range(MIN_STEPS):
+        r.speed.observe(int(tokens_per_s * 0.01), 0.01)
+    return r
+
+
+def test_a_group_twice_as_fast_takes_about_two_thirds_of_a_burst() -> None:
+    router, ids = Router(SchedulerConfig()), itertools.count()
+    fast, slow = measured(replica("fast"), 2000), measured(replica("slow"), 1000)
+    for i in range(30):
+        g = group(ids, 2, 4, i)
+        target = router.pick([slow, fast], g.seqs[0].token_ids)
+        assert target is not None
+        target.post(g)
+    assert 0.6 <= fast.num_queued / 30 <= 0.73, (fast.num_queued, slow.num_queued)  # room alone: 15 and 15
+
+
+def test_groups_within_the_speed_spread_are_routed_by_room_alone() -> None:
+    router, ids = Router(SchedulerConfig()), itertools.count()
+    a, b = measured(replica("a"), 1100), measured(replica("b"), 1000)
+    for i in range(6):
+        g = group(ids, 8, 4, i)
+        target = router.pick([a, b], g.seqs[0].token_ids)
+        assert target is not None
+        target.post(g)
+    assert (a.num_queued, b.num_queued) == (3, 3)
+
+
+def test_a_group_speed_counts_busy_time_only_and_follows_a_change() -> None:
+    speed = GroupSpeed()
+    for _ in range(MIN_STEPS - 1):
+        speed.observe(100, 0.1)
+    assert speed.tokens_per_second == 0  # too few steps to count
+    speed.observe(100, 0.1)
+    assert speed.tokens_per_second == pytest.approx(1000)
+    for _ in range(200):  # 10 s of steps at half the speed: two half-lives
+        speed.observe(50, 0.1)
+    assert 500 < speed.tokens_per_second < 500 + 500 * 0.3
 
 
 def test_a_prompt_follows_its_cached_prefix_until_load_outweighs_it() -> None:

@@ -249,6 +249,7 @@ async def test_up_with_two_workers_serves_with_both_groups(tiny_model_dir: Path)
             assert first == second and all(len(t) == 200 for t in first)
         metrics = up.metrics()
         assert metrics.count("llmserve:group_gpu_blocks{") == 2
+        assert metrics.count("llmserve:group_tokens_per_second{") == 2
     finally:
         up.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(up.proc.wait, 60) == 0

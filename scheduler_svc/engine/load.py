@@ -34,6 +34,7 @@ class GroupLoad:
     running: int
     waiting: int
     swapped: int
+    tokens_per_second: float = 0.0  # group_speed.GroupSpeed
 
 
 @dataclass(frozen=True)

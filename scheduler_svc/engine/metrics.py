@@ -91,6 +91,11 @@ class SchedulerMetrics:
                 ("swapped", "num_requests_swapped", "Requests of the worker group swapped out to its host memory."),
                 ("num_gpu_blocks", "gpu_blocks", "Device KV blocks of the worker group."),
                 ("free_gpu_blocks", "free_gpu_blocks", "Free device KV blocks of the worker group."),
+                (
+                    "tokens_per_second",
+                    "tokens_per_second",
+                    "Tokens the worker group computes per second of step time, recent steps weighing most.",
+                ),
             )
         }
         self._groups: dict[str, _GroupGauges] = {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from common.worker_info import WorkerInfo
 from scheduler_svc.engine.engine_stats import EngineStats
+from scheduler_svc.engine.group_speed import GroupSpeed
 from scheduler_svc.engine.load import GroupActivity, GroupLoad
 from scheduler_svc.engine.request_stream import RequestStream
 from scheduler_svc.sched.scheduler import Scheduler
@@ -52,6 +53,7 @@ class Replica:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     stats: EngineStats = field(default_factory=EngineStats)
+    speed: GroupSpeed = field(default_factory=GroupSpeed)  # what the router weighs unequal groups by
     # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits,
     # steps planned ahead, adapter slot loads).
     reported: tuple[int, ...] = (0, 0, 0, 0, 0)
@@ -143,4 +145,5 @@ class Replica:
             running=sched.num_running,
             waiting=self.num_queued,
             swapped=sched.num_swapped,
+            tokens_per_second=round(self.speed.tokens_per_second, 1),
         )

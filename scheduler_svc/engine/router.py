@@ -12,6 +12,17 @@ turns) while that group is no busier than the others by more than the hit is wor
 that, load wins and the prefix is computed again elsewhere. Queued demand counts so that a
 burst of requests arriving between two steps spreads across groups instead of piling onto
 whichever looked emptiest before the burst. Ties go to the group running fewer requests.
+
+Groups of unequal speed (measured: `group_speed.GroupSpeed`, tokens per second of step time)
+are weighed by it once the fastest candidate is more than SPEED_SPREAD times the slowest:
+then a request goes where its tokens come soonest,
+
+    cost = (requests running + queued there + 1) / tokens per second
+
+so that a group twice as fast takes about twice the requests (a step's time grows with the
+tokens in it, so equal cost means loads in the ratio of the speeds), with room (and the
+prefix-cache hit in it) breaking ties. Closer than that, the groups count as equal, since the
+measurement itself wanders that much between steps, and room decides as above.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from common.config import SchedulerConfig
 from common.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.engine.replica import Replica
 from scheduler_svc.sched.sequence_group import SequenceGroup
+
+SPEED_SPREAD = 1.25
 
 
 class Router:
@@ -72,6 +85,9 @@ class Router:
         # Every group hashes a prompt alike (same block size), so one chain serves them all.
         bm = candidates[0].serving_scheduler.block_manager
         hashes = bm.prompt_chain(token_ids, cache_salt) if self.config.enable_prefix_caching else []
+        speeds = [r.speed.tokens_per_second for r in candidates]
+        if min(speeds) > 0 and max(speeds) > SPEED_SPREAD * min(speeds):
+            return max(candidates, key=lambda r: (-_cost(r), *self._room(r, hashes)))
         return max(candidates, key=lambda r: self._room(r, hashes))
 
     @staticmethod
@@ -80,6 +96,12 @@ class Router:
         assert sched is not None
         hit = sched.block_manager.cached_prefix_blocks(hashes) if hashes else 0
         return (replica.free_capacity() + hit, -sched.num_running)
+
+
+def _cost(replica: Replica) -> float:
+    sched = replica.scheduler
+    assert sched is not None
+    return (sched.num_running + replica.num_queued + 1) / replica.speed.tokens_per_second
 
 
 def _fits(replica: Replica, group: SequenceGroup) -> bool:

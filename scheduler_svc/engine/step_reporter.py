@@ -162,6 +162,7 @@ class StepReporter:
             execute_ms=round(timing.execute_seconds * 1e3, 3),
         )
         replica.stats.add(num_tokens, num_sampled, timing)
+        replica.speed.observe(num_tokens, timing.roundtrip_seconds)
         if replica.stats.due() and sched is not None:
             log.info("engine_stats", group=replica.name, **replica.stats.summary(sched))
             replica.stats.reset()

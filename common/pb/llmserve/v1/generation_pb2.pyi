@@ -274,7 +274,7 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[WorkerGroupLoad, _Mapping]]] = ...) -> None: ...
 
 class WorkerGroupLoad(_message.Message):
-    __slots__ = ("address", "num_gpu_blocks", "free_gpu_blocks", "num_cpu_blocks", "free_cpu_blocks", "running", "name", "waiting", "swapped")
+    __slots__ = ("address", "num_gpu_blocks", "free_gpu_blocks", "num_cpu_blocks", "free_cpu_blocks", "running", "name", "waiting", "swapped", "tokens_per_second")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class WorkerGroupLoad(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     address: str
     num_gpu_blocks: int
     free_gpu_blocks: int
@@ -293,7 +294,8 @@ class WorkerGroupLoad(_message.Message):
     name: str
     waiting: int
     swapped: int
-    def __init__(self, address: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., free_cpu_blocks: _Optional[int] = ..., running: _Optional[int] = ..., name: _Optional[str] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ...) -> None: ...
+    tokens_per_second: float
+    def __init__(self, address: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., free_cpu_blocks: _Optional[int] = ..., running: _Optional[int] = ..., name: _Optional[str] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("prefix_cache_hit_tokens", "num_preemptions", "num_swaps", "swapped_bytes")
