@@ -58,11 +58,14 @@ def _free_port() -> int:
 
 
 class SleepingRunner:
-    """What the servicer needs of a ModelRunner; a step is `step_s` of sleep (the GIL is free,
-    as it is while a GPU computes). Tokens depend on the fed token and its position; deferred
-    inputs are filled from the last step's samples, as the real runner does."""
+    """What the servicer needs of a ModelRunner; a step is `step_s` of sleep, plus `token_s` per
+    token in it (the GIL is free, as it is while a GPU computes). Tokens depend on the fed token
+    and its position; deferred inputs are filled from the last step's samples, as the real
+    runner does."""
 
-    def __init__(self, model_name: str, vocab_size: int, max_model_len: int, step_s: float) -> None:
+    def __init__(
+        self, model_name: str, vocab_size: int, max_model_len: int, step_s: float, token_s: float = 0.0
+    ) -> None:
         import torch
 
         from common.config import WorkerConfig
@@ -77,8 +80,9 @@ class SleepingRunner:
             max_model_len,
             step_s,
         )
+        self.token_s = token_s
         self.last: dict[int, int] = {}
-        self.log: list[tuple[int, float, float]] = []  # (sequences, start, end) per step
+        self.log: list[tuple[int, float, float, int]] = []  # (sequences, start, end, sampled) per step
 
     def info(self, model_name: str) -> Any:
         from common.worker_info import WorkerInfo
@@ -99,11 +103,11 @@ class SleepingRunner:
         )
         rows = np.flatnonzero(plan.sample)
         self.last = dict(zip(plan.seq_ids[rows].tolist(), tokens[rows].tolist()))
-        remaining = self.step_s - (time.perf_counter() - start)
+        remaining = self.step_s + self.token_s * int(plan.num_tokens) - (time.perf_counter() - start)
         if remaining > 0:
             time.sleep(remaining)
         end = time.perf_counter()
-        self.log.append((plan.num_seqs, start, end))
+        self.log.append((plan.num_seqs, start, end, len(rows)))
         return StepResult(plan.step_id, tokens, end - start, logprobs=np.zeros(plan.num_seqs, np.float32))
 
 
@@ -116,7 +120,11 @@ async def _serve_standin(args: argparse.Namespace) -> None:
 
     config = json.loads((Path(args.model) / "config.json").read_text())
     runner = SleepingRunner(
-        Path(args.model).name, int(config["vocab_size"]), int(config["max_position_embeddings"]), args.step_ms / 1e3
+        Path(args.model).name,
+        int(config["vocab_size"]),
+        int(config["max_position_embeddings"]),
+        args.step_ms / 1e3,
+        args.token_ms / 1e3,
     )
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
     servicer = WorkerServicer(runner, runner.model_name)  # type: ignore[arg-type]
@@ -268,6 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--standin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--listen", help=argparse.SUPPRESS)
     p.add_argument("--log", help=argparse.SUPPRESS)
+    p.add_argument("--token-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # a stand-in's cost per token
     return p.parse_args(argv)
 
 

@@ -1,0 +1,34 @@
+"""benchmarks/unequal_groups.py end to end on the tiny model: two stand-in groups, one three
+times slower, both phases stream every token, and the fast group computes most of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def test_quick_run_gives_the_faster_group_the_larger_share(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "unequal.json"
+    args = ["--model", str(tiny_model_dir), "--slowdown", "3", "--clients", "8", "--num-requests", "48"]
+    args += ["--step-ms", "6", "--token-ms", "0.5"]  # sleeps well above the scheduler's own work, busy or not
+    args += ["--min-tokens", "8", "--max-tokens", "16", "--out", str(out), "--results-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/unequal_groups.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for phase in ("closed_loop", "burst"):
+        groups = result[phase]["groups"]
+        assert groups["fast"]["sampled_tokens"] + groups["slow"]["sampled_tokens"] == result[phase]["tokens"]
+        assert groups["slow"]["cost"] == 3.0 and groups["slow"]["steps"] > 0
+    # A burst after both groups were measured: room alone would split it about evenly.
+    assert result["burst"]["groups"]["fast"]["token_share"] > 0.6
