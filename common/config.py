@@ -221,6 +221,7 @@ class WorkerConfig:
     # layers each (empty: as even as they go; worker_svc/device/pipeline.py).
     pipeline_stages: int = 1
     pp_layer_split: tuple[int, ...] = ()
+    pp_layer_split_auto: bool = False  # measure each stage first (worker_svc/device/stage_probe.py)
     # None: no adapter slots (LoRA off).
     lora: LoraConfig | None = None
 

@@ -232,16 +232,17 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         # A rank's: the parent that starts the ranks validates its flags as one process.
         pipeline_stages=a.pp if getattr(a, "world_size", None) else 1,
         pp_layer_split=layer_counts(a.pp_layer_split),
+        pp_layer_split_auto=a.pp_layer_split == "auto",
         lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
     )
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
-    """--pp-layer-split's counts ("" for none)."""
+    """--pp-layer-split's counts ("" for none, and "auto", measured by the stages at start)."""
     try:
-        return tuple(int(n) for n in text.split(",")) if text else ()
+        return tuple(int(n) for n in text.split(",")) if text and text != "auto" else ()
     except ValueError:
-        raise ValueError(f"--pp-layer-split {text!r}: want layer counts such as 10,20") from None
+        raise ValueError(f"--pp-layer-split {text!r}: want layer counts such as 10,20, or auto") from None
 
 
 def check_pp(model: str, pp: int, split: str) -> None:

@@ -230,8 +230,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pp-layer-split",
         default="",
-        metavar="N,N,...",
-        help="layers per pipeline stage, in stage order (default: as even as they go)",
+        metavar="N,N,...|auto",
+        help="layers per pipeline stage, in stage order; auto: set from each stage's measured speed and free "
+        "memory at start, so a slower or smaller device gets fewer layers (default: as even as they go)",
     )
     p.add_argument(
         "--enforce-eager",

@@ -152,19 +152,23 @@ def join(
     timeout_s: float = 300.0,
     backend: str = "auto",
     split: tuple[int, ...] = (),
+    choose_split: Callable[[int], tuple[int, ...]] | None = None,
 ) -> tuple[ParallelGroup, PipelineStage]:
     """Join a group of `world_size` ranks in `num_stages` stages: this rank's tensor-parallel
     group (of its stage) and its stage. With one stage, the stage is trivial and the
-    tensor-parallel group is what parallel.init_group would make."""
+    tensor-parallel group is what parallel.init_group would make. `choose_split(stage)`, called
+    on every rank once the world is joined, measures the split instead (`--pp-layer-split auto`,
+    stage_probe.choose_split)."""
     if world_size % num_stages:
         raise ValueError(f"{world_size} ranks cannot form {num_stages} pipeline stages of equal width")
     tp = world_size // num_stages
     stage = rank // tp
-    layers = layer_split(num_layers, num_stages, split)
     if num_stages == 1:
+        layers = layer_split(num_layers, num_stages, split)
         return init_group(rank, world_size, init_method, device, timeout_s, backend), PipelineStage(layers=layers[0])
     bind_device(device)
     resolved = join_world(rank, world_size, init_method, device, timeout_s, backend)
+    layers = layer_split(num_layers, num_stages, choose_split(stage) if choose_split is not None else split)
     step_timeout = datetime.timedelta(seconds=timeout_s)
     # Every rank creates every group, in the same order (torch.distributed's rule).
     stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=step_timeout) for s in range(num_stages)]

@@ -29,10 +29,11 @@ from common.grpc.tls import tls_mode
 from common.pb.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from kernels.versions import require_gpu_stack
 from worker_svc.device.pipeline import join
+from worker_svc.device.stage_probe import choose_split
 from worker_svc.service.metrics import WorkerMetrics
 from worker_svc.service.registration import Registrar, RegistrationRefused
 from worker_svc.service.servicer import WorkerServicer
-from worker_svc.step.loader import load_config, resolve_device
+from worker_svc.step.loader import load_config, resolve_device, resolve_dtype
 from worker_svc.step.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -88,16 +89,24 @@ class WorkerServer:
         device = rank_device(resolve_device(config.device), config.rank, config.world_size, config.dist_backend)
         if device.type == "cuda":
             require_gpu_stack()  # an old torch/triton fails here in one line, not in a kernel
+        text_config = load_config(config.model).get_text_config()
+        tp = config.world_size // config.pipeline_stages
+
+        def measured_split(stage: int) -> tuple[int, ...]:
+            dtype = resolve_dtype(config.dtype, device)
+            return choose_split(text_config, config.pipeline_stages, tp, stage, dtype, device)
+
         group, stage = join(
             config.rank,
             config.world_size,
             config.pipeline_stages,
-            load_config(config.model).get_text_config().num_hidden_layers,
+            text_config.num_hidden_layers,
             config.dist_init_method,
             device,
             config.dist_timeout,
             config.dist_backend,
             config.pp_layer_split,
+            measured_split if config.pp_layer_split_auto else None,
         )
         self.runner = ModelRunner(dataclasses.replace(config, device=str(device)), group, stage)
         self.metrics_port = metrics_port
