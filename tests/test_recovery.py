@@ -148,14 +148,19 @@ def replica(name: str, num_blocks: int = 64) -> Replica:
     return r
 
 
-def test_a_burst_spreads_over_equal_groups_by_queued_demand() -> None:
+def burst(replicas: list[Replica], count: int, prompt_len: int) -> None:
+    """`count` requests routed one after another, each queued where the router puts it."""
     router, ids = Router(SchedulerConfig()), itertools.count()
-    a, b = replica("a"), replica("b")
-    for i in range(6):
-        g = group(ids, 8, 4, i)
-        target = router.pick([a, b], g.seqs[0].token_ids)
+    for i in range(count):
+        g = group(ids, prompt_len, 4, i)
+        target = router.pick(replicas, g.seqs[0].token_ids)
         assert target is not None
         target.post(g)
+
+
+def test_a_burst_spreads_over_equal_groups_by_queued_demand() -> None:
+    a, b = replica("a"), replica("b")
+    burst([a, b], 6, 8)
     assert (a.num_queued, b.num_queued) == (3, 3)
 
 
@@ -166,24 +171,14 @@ def measured(r: Replica, tokens_per_s: float) -> Replica:
 
 
 def test_a_group_twice_as_fast_takes_about_two_thirds_of_a_burst() -> None:
-    router, ids = Router(SchedulerConfig()), itertools.count()
     fast, slow = measured(replica("fast"), 2000), measured(replica("slow"), 1000)
-    for i in range(30):
-        g = group(ids, 2, 4, i)
-        target = router.pick([slow, fast], g.seqs[0].token_ids)
-        assert target is not None
-        target.post(g)
+    burst([slow, fast], 30, 2)
     assert 0.6 <= fast.num_queued / 30 <= 0.73, (fast.num_queued, slow.num_queued)  # room alone: 15 and 15
 
 
 def test_groups_within_the_speed_spread_are_routed_by_room_alone() -> None:
-    router, ids = Router(SchedulerConfig()), itertools.count()
     a, b = measured(replica("a"), 1100), measured(replica("b"), 1000)
-    for i in range(6):
-        g = group(ids, 8, 4, i)
-        target = router.pick([a, b], g.seqs[0].token_ids)
-        assert target is not None
-        target.post(g)
+    burst([a, b], 6, 8)
     assert (a.num_queued, b.num_queued) == (3, 3)
 
 
