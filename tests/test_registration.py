@@ -230,7 +230,9 @@ async def test_a_group_that_does_not_complete_in_time_is_dropped() -> None:
     assert isinstance(first, Member) and registry.num_pending == 1
     await asyncio.wait_for(first.ended.wait(), 10)
     assert first.ending is not None and first.ending.retry
-    assert "group 'g' did not complete within 0.05s (1 of 2 ranks registered)" in first.ending.message
+    assert "group 'g' did not complete within 0.05s (1 of 2 ranks registered; never joined: rank 1)" in (
+        first.ending.message
+    )
     assert registry.num_pending == 0
     registry.leave(first)  # its call ends afterwards: nothing more happens
     # The name is free again, for a group of another size too.

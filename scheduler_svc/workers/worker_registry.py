@@ -194,11 +194,13 @@ class WorkerRegistry:
         group.timer = None
         if self._groups.get(name) is not group or group.complete:
             return
+        missing = [r for r in range(group.world_size) if r not in group.ranks]
         message = (
             f"group {name!r} did not complete within {self.config.join_timeout:g}s "
-            f"({len(group.ranks)} of {group.world_size} ranks registered): its ranks are dropped"
+            f"({len(group.ranks)} of {group.world_size} ranks registered; never joined: rank "
+            f"{', '.join(map(str, missing))}): its ranks are dropped"
         )
-        log.warning("group_expired", group=name, ranks=len(group.ranks), world_size=group.world_size)
+        log.warning("group_expired", group=name, ranks=len(group.ranks), world_size=group.world_size, missing=missing)
         self._drop(name, group, Ending(message, retry=True))
 
     def _refuse(self, name: str, group: _Group, reason: str) -> None:
