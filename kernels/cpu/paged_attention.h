@@ -127,7 +127,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
     }
     // The next chunk's rows lie in another block, wherever the allocator put it: ask for
     // them now, so they arrive while this chunk computes. Into L2, not L1: a decode item's
-    // next chunk is 12 KB of lines, more than L1's miss buffers track, and on this Zen 5 VM
+    // next chunk is 12 KB of lines, more than L1's miss buffers track, and on a Zen 5 CPU
     // the L2 hint read decode's KV 1.25-1.35x faster (benchmarks/cpu_attention_bench.py).
     for (int key = c0 + CHUNK; key < std::min(num_keys, c0 + 2 * CHUNK); ++key) {
       const int64_t slot = static_cast<int64_t>(block_table[key / sh.block_size]) * sh.block_size + key % sh.block_size;

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -62,12 +63,12 @@ def measure(hf_config: Any, tp: int, dtype: torch.dtype, device: torch.device, l
         (torch.randn(PROBE_ROWS, i, dtype=dtype, device=device), torch.randn(i, o, dtype=dtype, device=device))
         for i, o in layer_shapes(hf_config, tp)
     ]
-    vocab = -(-hf_config.vocab_size // tp)
-    head = [
-        (layer[0][0][:, : hf_config.hidden_size], torch.randn(hf_config.hidden_size, vocab, dtype=dtype, device=device))
-    ]
     layer_s = _best_of(layer, device)
-    head_s = _best_of(head, device) if last else 0.0
+    head_s = 0.0
+    if last:  # the head's weight is the largest probe tensor: only the stage that runs it makes one
+        vocab = -(-hf_config.vocab_size // tp)
+        rows = layer[0][0]  # PROBE_ROWS x hidden, the first product's input
+        head_s = _best_of([(rows, torch.randn(hf_config.hidden_size, vocab, dtype=dtype, device=device))], device)
     return StageProbe(layer_s, head_s, free_memory(device))
 
 
@@ -89,9 +90,11 @@ def _best_of(products: list[tuple[torch.Tensor, torch.Tensor]], device: torch.de
 def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return 1 << 62  # not Linux: no cap
 
 
