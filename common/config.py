@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 MAX_LORA_RANK = 512  # the largest adapter rank a slot may be sized for
+MAX_MICROBATCHES = 8  # the most plans a pipelined group keeps in flight (and a worker queues)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -118,6 +119,8 @@ class SchedulerConfig:
     block_size: int = 0
     # Plan the next step while the current one runs, when its result cannot change that plan.
     plan_ahead: bool = True
+    # Plans a pipelined group keeps in flight over disjoint sequences: 0 = stages + 1.
+    pipeline_microbatches: int = 0
     # Structured outputs: the longest run of whitespace a JSON output may hold between tokens
     # (JSON allows any; a model that starts emitting it may not stop).
     json_max_whitespace: int = 4
@@ -138,13 +141,13 @@ class SchedulerConfig:
         _require(
             self.lora_root is None or Path(self.lora_root).is_dir(), f"lora_root {self.lora_root!r} is not a directory"
         )
+        _require(0 <= self.pipeline_microbatches <= MAX_MICROBATCHES, f"pipeline_microbatches: 0 to {MAX_MICROBATCHES}")
         _require(
             not self.allow_runtime_lora or self.lora_root is not None,
             "runtime LoRA loading needs a root to load from (--lora-root DIR)",
         )
-        _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(self.max_num_seqs > 0 and self.max_queue_len > 0, "max_num_seqs and max_queue_len must be positive")
         _require(self.block_size >= 0, "block_size must not be negative")
-        _require(self.max_queue_len > 0, "max_queue_len must be positive")
         _require(
             self.preemption_mode in PREEMPTION_MODES,
             f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}",

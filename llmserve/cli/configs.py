@@ -178,6 +178,7 @@ def scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         max_logprobs=a.max_logprobs,
         max_n=a.max_n,
         plan_ahead=a.plan_ahead,
+        pipeline_microbatches=a.pp_microbatches,
         json_max_whitespace=a.json_max_whitespace,
         # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).
         block_size=a.block_size,

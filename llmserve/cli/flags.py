@@ -143,6 +143,14 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="plan each step only after the previous step's result (default: plan it while that step runs)",
     )
     p.add_argument(
+        "--pp-microbatches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="plans a pipelined worker group keeps in flight over disjoint sequences, so that every stage has "
+        "work (default 0 = one per stage and one more, which hides the scheduler's turn-around; 1 = one at a time)",
+    )
+    p.add_argument(
         "--json-max-whitespace",
         type=int,
         default=4,

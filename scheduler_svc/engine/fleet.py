@@ -218,6 +218,7 @@ class Fleet:
             block_bytes=info.block_bytes,
             seq_ids=self.seq_ids,
             num_lora_slots=info.max_loras if self.config.enable_lora else 0,
+            pipeline_stages=info.pipeline_stages,
         )
         log.info(
             "worker_ready",
@@ -230,6 +231,8 @@ class Fleet:
             block_size=info.block_size,
             max_model_len=replica.scheduler.max_model_len,
             lora_slots=info.max_loras,
+            pipeline_stages=info.pipeline_stages,
+            micro_batches=replica.scheduler.micro_batches,
         )
         await self._refresh_ready()
         try:

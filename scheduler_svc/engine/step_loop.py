@@ -2,8 +2,9 @@
 
     while True:
         apply queued adds and aborts          (handlers only append to the group's inbox)
-        plan = scheduler.schedule(); send it  (and the next one too, if it can be planned
-                                               before this one's result: two in flight)
+        plan = scheduler.schedule(); send it  (and the next ones too, while they can be planned
+                                               before this one's result: two in flight, or
+                                               one per micro-batch of a pipeline)
         result = await the oldest plan's result
         events = scheduler.update(plan, result)
         detokenize, match stop strings, stream to each request's queue
@@ -72,9 +73,10 @@ class StepLoop:
         worker = replica.worker
         # A link that takes a plan before the last result (PipelinedLink) gets the next step as
         # soon as the scheduler can plan it: the worker then goes from one step to the next
-        # without waiting for the scheduler. Others run one step at a time.
-        pipelined = worker if self.config.plan_ahead and isinstance(worker, PipelinedLink) else None
-        depth = 2 if pipelined is not None else 1
+        # without waiting for the scheduler, and each stage of a pipeline has a micro-batch of
+        # its own. Others run one step at a time.
+        pipelined = worker if isinstance(worker, PipelinedLink) else None
+        depth = scheduler.max_in_flight if pipelined is not None else 1
         in_flight: deque[tuple[StepPlan, float]] = deque()  # plans sent, and their build seconds
         while True:
             if not replica.attached:

@@ -26,6 +26,16 @@ holds it, and the worker applies a plan's loads after the forward pass of the pl
 (plans run in order), so a row of the plan in flight, even of a group aborted since, still
 runs through the adapter it was planned with.
 
+Micro-batches: a pipelined worker group (`pipeline_stages` > 1) runs one plan per stage at a
+time, so `schedule()` keeps up to `micro_batches` plans in flight (one per stage and one more,
+by default), over disjoint groups: while the last stage runs plan k, the first already runs
+plan k + 1. Nothing is planned ahead there
+(no plan names a token still in flight, so the stages never send tokens back to the first):
+a group in a plan in flight waits for its result before it is planned or preempted again, and
+each plan takes its share of the idle running sequences (`_share`). The plans are applied in
+the order they were made, the order every stage runs them in, which is also what makes a
+block freed by an abort safe to hand to the next plan.
+
 Why this cannot thrash or livelock:
   - the victim of a preemption is always the group last in line, so the group first in line
     is never preempted while another runs, and always progresses;
@@ -42,7 +52,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from common.config import SchedulerConfig
+from common.config import MAX_MICROBATCHES, SchedulerConfig
 from common.plan import StepPlan, StepResult
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_slots import AdapterSlots
@@ -63,6 +73,7 @@ class _InFlight:
     step_id: int
     seqs: list[Sequence]
     plan: StepPlan
+    groups: frozenset[int]  # the ids of the groups it runs (busy until it is applied)
     # Set when the next plan was planned ahead of this one's result: its sequences' computed
     # tokens were advanced then, and these rows' sampled tokens made pending.
     advanced: bool = False
@@ -79,8 +90,18 @@ class Scheduler:
         block_bytes: int = 0,
         seq_ids: Iterator[int] | None = None,
         num_lora_slots: int = 0,
+        pipeline_stages: int = 1,
     ) -> None:
+        if pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be at least 1, got {pipeline_stages}")
         self.config = config
+        # Plans in flight over disjoint groups: by default one per stage and one more, which
+        # covers the scheduler's turn-around (apply a result, plan, send) as planning ahead
+        # does without stages: with one per stage exactly, the first stage waits for it.
+        self.micro_batches = (
+            min(config.pipeline_microbatches or pipeline_stages + 1, MAX_MICROBATCHES) if pipeline_stages > 1 else 1
+        )
+        self._may_plan_ahead = config.plan_ahead and pipeline_stages == 1
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -88,13 +109,21 @@ class Scheduler:
             block_manager, PreemptionPolicy.of(config, block_bytes), AdapterSlots(num_lora_slots), seq_ids
         )
         self._next_step_id = 0
-        self._in_flight: deque[_InFlight] = deque()  # at most two: one running, one planned ahead
+        # At most max_in_flight: one running and one planned ahead, or one per micro-batch.
+        self._in_flight: deque[_InFlight] = deque()
         self._planner = StepPlanner(self.queues, config)
         self._results = ResultApplier(self.queues, eos_token_ids)
         self._builder = PlanBuilder(block_manager, self.queues.adapter_slots, self.queues.groups)
         self.num_planned_ahead = 0
 
     # ---- queue changes (called by the engine loop between steps) ----
+
+    @property
+    def max_in_flight(self) -> int:
+        """Plans the engine may keep sent before the oldest one's result is applied."""
+        if self.micro_batches > 1:
+            return self.micro_batches
+        return 2 if self._may_plan_ahead else 1
 
     @property
     def next_step_id(self) -> int:
@@ -190,20 +219,36 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pick this step's work; None when there is nothing to run, or when a plan is in flight
         and the next one cannot be planned before its result (see the module docstring)."""
-        if len(self._in_flight) > 1 or (self._in_flight and not self._plan_ahead(self._in_flight[-1])):
-            return None
+        if self._in_flight:
+            if self.micro_batches > 1:
+                if len(self._in_flight) >= self.micro_batches:
+                    return None
+            elif len(self._in_flight) > 1 or not self._may_plan_ahead or not self._plan_ahead(self._in_flight[-1]):
+                return None
         self.queues.admitted.clear()
-        seqs, query_lens = self._planner.pick(self._next_step_id)
+        busy, max_rows = self._share()
+        seqs, query_lens = self._planner.pick(self._next_step_id, busy, max_rows)
         # An empty plan still carries pending block operations, and after a preemption it
         # ends the step so that the preempted group can come back in the next one.
         if not seqs and not self.block_manager.has_pending_ops and self.queues.last_preempt_step != self._next_step_id:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        self.num_planned_ahead += bool(self._in_flight)
+        self.num_planned_ahead += bool(self._in_flight) and self.micro_batches == 1
         plan = self._builder.build(step_id, seqs, query_lens)
-        self._in_flight.append(_InFlight(step_id, seqs, plan))
+        self._in_flight.append(_InFlight(step_id, seqs, plan, frozenset(s.group_id for s in seqs)))
         return plan
+
+    def _share(self) -> tuple[frozenset[int], int | None]:
+        """For a micro-batch: the groups of the plans in flight, which it must leave alone, and
+        the most running sequences it takes: the idle ones split evenly over the plans still
+        to fill, so that every stage of the pipeline gets about as much work."""
+        if self.micro_batches == 1:
+            return frozenset(), None
+        busy = frozenset().union(*(record.groups for record in self._in_flight))
+        idle = sum(g.width for g in self.queues.running if g.group_id not in busy)
+        open_plans = self.micro_batches - len(self._in_flight)
+        return busy, -(-idle // open_plans)
 
     def _plan_ahead(self, record: _InFlight) -> bool:
         """Advance the state past the plan in flight, if the next plan cannot depend on its

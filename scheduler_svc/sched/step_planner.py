@@ -20,6 +20,12 @@ Each step, under a token budget:
 
 Samples fork just before their last prompt token (each then draws its first token from its
 own logits row); beams sample all together or not at all.
+
+Micro-batches (a pipelined worker group with several plans in flight): a group in a plan in
+flight (`busy`) is neither planned again nor preempted until that plan's result is applied,
+and `max_rows` caps the idle running sequences a plan takes so that the plans still to come
+get their share. A group short of blocks whose victim (the last running group) is busy waits
+for a plan in which it is not: the victim is still always the last in line.
 """
 
 from __future__ import annotations
@@ -41,19 +47,27 @@ class StepPlanner:
         self.bm = queues.block_manager
         self.watermark_blocks = int(config.watermark * self.bm.num_blocks)
 
-    def pick(self, step_id: int) -> tuple[list[Sequence], list[int]]:
-        """Step `step_id`'s rows and how many tokens each feeds."""
+    def pick(
+        self, step_id: int, busy: frozenset[int] = frozenset(), max_rows: int | None = None
+    ) -> tuple[list[Sequence], list[int]]:
+        """Step `step_id`'s rows and how many tokens each feeds; `busy`: ids of groups in a plan
+        in flight, `max_rows`: the most sequences of running groups it takes (micro-batches)."""
         bm = self.bm
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         query_lens: list[int] = []
-        self._preempt_for_priority(budget, step_id)
+        self._preempt_for_priority(budget, step_id, busy)
         preempted = False
         i = 0
         running = self.queues.running
         tables, ref, bs = bm.tables, bm.device.ref, bm.block_size
         while i < len(running) and budget > 0:
             group = running[i]
+            if busy and group.group_id in busy:
+                i += 1
+                continue
+            if max_rows is not None and len(seqs) >= max_rows:
+                break
             if group.width == 1:
                 # Fast path, most rows of most steps: a decode whose token lands in a block the
                 # sequence already owns alone needs no allocation and no check (inlined: this
@@ -73,12 +87,17 @@ class StepPlanner:
             need = self._blocks_needed(rows)
             while need > bm.num_free_blocks:
                 victim = running[-1]
+                if victim.group_id in busy:
+                    break
                 self.queues.preempt(victim, step_id)
                 preempted = True
                 if victim is group:
                     break
             if group.status is not SequenceStatus.RUNNING:
                 break
+            if need > bm.num_free_blocks:
+                i += 1  # its victim's plan is in flight: it waits for a plan without that one
+                continue
             budget -= self._take(rows, seqs, query_lens)
             i += 1
         # A step that had to preempt admits nothing, unless nothing else would run at all.
@@ -214,12 +233,13 @@ class StepPlanner:
                 need += bm.blocks_needed(seq.seq_id, c + q, c)
         return need
 
-    def _preempt_for_priority(self, budget: int, step_id: int) -> None:
+    def _preempt_for_priority(self, budget: int, step_id: int, busy: frozenset[int]) -> None:
         queues = self.queues
         head = queues.head()
         while (
             head is not None
             and queues.running
+            and queues.running[-1].group_id not in busy
             and queues.running[-1].priority > head.priority
             # Blocks only: a head short of a LoRA slot waits for one (see the module docstring).
             and not self._fits_blocks(head, budget, reserve=self.running_need(budget))

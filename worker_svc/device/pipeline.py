@@ -8,28 +8,32 @@ tensor-parallel group (worker_svc.device.parallel). Every stage gets the same pl
 the same step inputs, so the shapes of what passes between stages are known on both sides:
 
     stage s, tp rank t  --[x, residual]-->  stage s + 1, tp rank t        every step
-    last stage, rank t  --sampled tokens-->  first stage, rank t          every step with rows
 
-The tokens go back because the first stage embeds the next step's inputs, and a plan made
-before this step's result names them as DEFERRED_INPUT (common/plan.py). Nothing else is
-kept between steps. Tags keep the two directions apart where they share a pair of ranks.
+Nothing goes back: the scheduler plans a pipeline's steps only from results it has, so no
+plan names a token the first stage would have to learn from the last (no DEFERRED_INPUT).
+A stage sends without waiting for the next one to take it, so that with several plans in
+flight (micro-batches) it starts the next one at once: stage s + 1 receives in plan order.
+Nothing is kept between steps but the sends still under way.
 """
 
 from __future__ import annotations
 
 import datetime
 import re
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from common.config import MAX_MICROBATCHES
 from worker_svc.device.parallel import ParallelGroup, bind_device, init_group, join_world
 
 _HIDDEN_TAG = 1
-_TOKENS_TAG = 2
+# Sends a stage may have under way before it waits for the oldest: one per plan in flight.
+MAX_SENDS = MAX_MICROBATCHES
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class PipelineStage:
     links: Any = None
     # Where transferred tensors must be: the device under NCCL, the host under gloo.
     link_device: torch.device = torch.device("cpu")
+    # Sends under way, each with the buffer it reads from (alive until the send is done).
+    _sends: deque[tuple[Any, torch.Tensor]] = field(default_factory=deque, compare=False, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -63,38 +69,24 @@ class PipelineStage:
         return layer in self.layers or not self.pipelined
 
     def send_hidden(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        """[rows, hidden] twice, to the next stage's rank of the same tp rank."""
+        """[rows, hidden] twice, to the next stage's rank of the same tp rank; returns once the
+        send is under way, not done (the next stage may still be busy with an earlier plan)."""
         both = torch.stack((x, residual)).to(self.link_device)
-        dist.send(both, self.world_rank + self.tp, self.links, tag=_HIDDEN_TAG)
+        sends = self._sends
+        while sends and sends[0][0].is_completed():
+            sends.popleft()
+        if len(sends) >= MAX_SENDS:  # the next stage is that many plans behind: wait for it
+            sends.popleft()[0].wait()
+        work = dist.isend(both, self.world_rank + self.tp, self.links, tag=_HIDDEN_TAG)
+        if work is None:  # only for a rank outside the group, which this is not
+            raise RuntimeError(f"rank {self.world_rank} is outside its pipeline's group")
+        sends.append((work, both))
 
     def recv_hidden(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[2, rows, hidden]: the previous stage's (x, residual)."""
         buf = torch.empty(2, rows, hidden, dtype=dtype, device=self.link_device)
         dist.recv(buf, self.world_rank - self.tp, self.links, tag=_HIDDEN_TAG)
         return buf.to(device)
-
-    def send_tokens(self, sampled: torch.Tensor) -> Callable[[], None]:
-        """The last stage's sampled tokens (int32 [seqs], -1 where none) to the first stage,
-        which takes them when its next step starts; returns the wait for the send to finish.
-        The step's result must not wait for it: the scheduler may only send the next plan
-        once it has that result."""
-        first = self.world_rank % self.tp
-        buf = sampled.to(self.link_device, torch.int32)
-        work = dist.isend(buf, first, self.links, tag=_TOKENS_TAG)
-        assert work is not None  # None only for a rank outside the group, which this is not
-
-        def finish() -> None:
-            work.wait()
-            buf.data_ptr()  # the buffer lives until the send is done
-
-        return finish
-
-    def recv_tokens(self, num_seqs: int) -> torch.Tensor:
-        """int32 [seqs] on the host: what the last stage sampled in the step before."""
-        buf = torch.empty(num_seqs, dtype=torch.int32, device=self.link_device)
-        last = (self.num_stages - 1) * self.tp + self.world_rank
-        dist.recv(buf, last, self.links, tag=_TOKENS_TAG)
-        return buf.cpu()
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -5,8 +5,8 @@ the stream in progress to end (a reconnecting scheduler's old one may still be c
 is refused with FAILED_PRECONDITION if it does not; the stream in progress goes on. Plans are
 bounded before anything is built from them (common/worker_wire.py `decode_plan`, the runner's
 checks): a plan that fails ends the stream with INVALID_ARGUMENT. At most MAX_PLANS_AHEAD wait
-behind the running step: the scheduler sends one ahead, and a caller that sends more is
-refused the same way, rather than queueing plans without bound.
+behind the running step: the scheduler sends one ahead, or one per micro-batch to a pipeline,
+and a caller that sends more is refused the same way, rather than queueing plans without bound.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import grpc
 import structlog
 
 from common import worker_wire
+from common.config import MAX_MICROBATCHES
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.pb.llmserve.v1 import worker_pb2_grpc
 from common.plan import StepPlan, StepResult
@@ -34,9 +35,10 @@ from worker_svc.step.runner import ModelRunner, PlanError
 log = structlog.get_logger(__name__)
 
 STREAM_TAKEOVER_S = 10.0
-# Plans decoded and waiting for their step (the scheduler keeps two in flight: one running,
-# one waiting, and briefly a third as the first result goes out).
-MAX_PLANS_AHEAD = 4
+# Plans decoded and waiting for their step: the scheduler keeps two in flight (one running,
+# one waiting, and briefly a third as the first result goes out), or in a pipeline one per
+# micro-batch, which a stage may all hold while the stages before it run ahead.
+MAX_PLANS_AHEAD = max(4, MAX_MICROBATCHES)
 
 
 @dataclass(frozen=True)

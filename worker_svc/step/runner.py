@@ -3,7 +3,7 @@
 The runner keeps no per-request state between steps: everything it needs comes in the plan,
 and its memory is the weights and the KV-cache tensors, plus the tokens its last step
 sampled, which a plan the scheduler made before that step's result arrived refers to
-(DEFERRED_INPUT in common/plan.py). What it builds before its first step (the model, the
+(DEFERRED_INPUT in common/plan.py); a pipeline stage's plans never do. What it builds before its first step (the model, the
 cache's size, the warm-up) is its base class's, in runner_setup.py.
 """
 
@@ -159,9 +159,10 @@ class ModelRunner(RunnerSetup):
         where = np.flatnonzero(plan.input_ids == DEFERRED_INPUT)
         if not where.size:
             return plan
-        if not (self.stage.is_first or self.stage.is_last):
-            # A middle stage never reads the ids (it receives hidden states): any valid id does.
-            return dataclasses.replace(plan, input_ids=np.where(plan.input_ids == DEFERRED_INPUT, 0, plan.input_ids))
+        if self.stage.pipelined:
+            raise PlanError(
+                "a deferred input in a plan for a pipeline stage (its plans name only tokens already known)"
+            )
         try:
             plan.validate()  # the offsets below assume consistent arrays
         except ValueError as error:
@@ -184,7 +185,6 @@ class ModelRunner(RunnerSetup):
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         with self._section("prepare"):
-            self._receive_sampled()
             plan = self._fill_deferred(plan)
             self.check(plan)
             adapters = self._prepare_adapters(plan)
@@ -214,10 +214,8 @@ class ModelRunner(RunnerSetup):
             else:
                 hidden = self.model(input_ids, positions, self.kv.layers, meta)
         if not self.stage.is_last:
-            # Its result carries no tokens (the last stage's is the group's); the first stage
-            # takes this step's tokens from the last before its next step.
-            self._last_sampled = {}
-            self._sampled_due = plan.seq_ids if self.stage.is_first else None
+            # Its result carries no tokens (the last stage's is the group's) and paces nothing:
+            # the stage is free for the next micro-batch as soon as its hidden states are sent.
             return StepResult(plan.step_id, sampled, time.perf_counter() - start, part_seconds=self._parts())
         rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
         dev = self.device
@@ -232,9 +230,8 @@ class ModelRunner(RunnerSetup):
             chosen, top_values, top_indices = logprob_tensors(logits, lse, tokens, rows, s.num_logprobs)
             host = to_host(tokens, chosen, top_values, top_indices)  # the step's only wait for the device
             sampled[rows] = host[0]
-            self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
-            if self.stage.pipelined:
-                self._tokens_sent = self.stage.send_tokens(torch.from_numpy(sampled))
+            if not self.stage.pipelined:  # a pipeline's plans name no token in flight
+                self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
             logprobs, top_ids, top_lps = logprob_arrays(host[1], host[2], host[3], rows, s.num_logprobs, plan.num_seqs)
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
@@ -253,19 +250,6 @@ class ModelRunner(RunnerSetup):
             part_seconds=self._parts(),
             **prompt,
         )
-
-    def _receive_sampled(self) -> None:
-        """On a pipeline's first stage, what the last stage sampled in the previous step: the
-        tokens this step's deferred inputs name (and on the last, the end of that send)."""
-        sent, self._tokens_sent = self._tokens_sent, None
-        if sent is not None:  # the last stage: the first has taken them, or takes them now
-            sent()
-        seq_ids, self._sampled_due = self._sampled_due, None
-        if seq_ids is None:
-            return
-        tokens = self.stage.recv_tokens(seq_ids.size).numpy()
-        drawn = tokens >= 0
-        self._last_sampled = dict(zip(seq_ids[drawn].tolist(), tokens[drawn].tolist()))
 
     def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""

@@ -12,11 +12,9 @@ OpenMP team for loading, warm-up and steps alike).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
@@ -120,10 +118,6 @@ class RunnerSetup(ABC):
         # What the last step sampled, by sequence: the next plan's deferred inputs. The only
         # thing a worker carries from one step to the next.
         self._last_sampled: dict[int, int] = {}
-        # A pipeline's first stage: the sequences of its last step, whose tokens the last
-        # stage sends back (ModelRunner._receive_sampled).
-        self._sampled_due: np.ndarray | None = None
-        self._tokens_sent: Callable[[], None] | None = None  # the last stage's send of them
         # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
         self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
         self.shape = self.model.shape
