@@ -505,7 +505,7 @@ async def test_plans_sent_too_far_ahead_are_refused() -> None:
     await _read_plans(plans(), queue, max_seqs=64, vocab_size=VOCAB)  # nothing takes them: all pile up
     items = [queue.get_nowait() for _ in range(queue.qsize())]
     assert [i is not None and i.plan is not None for i in items] == [True] * MAX_PLANS_AHEAD + [False, False]
-    assert "more than 4 plans sent ahead of their results" in str(items[MAX_PLANS_AHEAD].error)
+    assert f"more than {MAX_PLANS_AHEAD} plans sent ahead of their results" in str(items[MAX_PLANS_AHEAD].error)
     assert items[-1] is None and sent == MAX_PLANS_AHEAD + 1  # and the stream is read no further
 
 
