@@ -119,7 +119,7 @@ class SchedulerConfig:
     block_size: int = 0
     # Plan the next step while the current one runs, when its result cannot change that plan.
     plan_ahead: bool = True
-    # Plans a pipelined group keeps in flight over disjoint sequences: 0 = stages + 1.
+    # Plans a pipelined group keeps in flight over disjoint sequences: 0 = stages + 1 (CPU: 1).
     pipeline_microbatches: int = 0
     # Structured outputs: the longest run of whitespace a JSON output may hold between tokens
     # (JSON allows any; a model that starts emitting it may not stop).

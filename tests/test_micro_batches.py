@@ -40,10 +40,14 @@ class InOrderPipeline:
         return StepResult(plan.step_id, tokens, logprobs=np.zeros(plan.num_seqs, np.float32))
 
 
-def _scheduler(num_blocks: int, stages: int, micro_batches: int = 0, **cfg: object) -> Scheduler:
+def _scheduler(
+    num_blocks: int, stages: int, micro_batches: int = 0, share_cores: bool = False, **cfg: object
+) -> Scheduler:
     bm = BlockManager(num_blocks, 4, num_host_blocks=16, enable_prefix_caching=True)
     config = SchedulerConfig(pipeline_microbatches=micro_batches, **cfg)  # type: ignore[arg-type]
-    return Scheduler(config, bm, 256, frozenset({EOS}), block_bytes=1000, pipeline_stages=stages)
+    return Scheduler(
+        config, bm, 256, frozenset({EOS}), block_bytes=1000, pipeline_stages=stages, stages_share_cores=share_cores
+    )
 
 
 def _busy(in_flight: deque[tuple[StepPlan, frozenset[int]]]) -> set[int]:
@@ -189,6 +193,9 @@ def test_micro_batches_follow_the_stages_and_the_config() -> None:
     assert _scheduler(50, stages=3, micro_batches=1).max_in_flight == 1  # a pipeline never plans ahead
     assert _scheduler(50, stages=2, micro_batches=2).max_in_flight == 2
     assert _scheduler(50, stages=16).max_in_flight == MAX_MICROBATCHES
+    # Stages that are one CPU's ranks share its cores: one plan at a time unless asked.
+    assert _scheduler(50, stages=2, share_cores=True).max_in_flight == 1
+    assert _scheduler(50, stages=2, micro_batches=3, share_cores=True).max_in_flight == 3
     with pytest.raises(ValueError, match="pipeline_microbatches"):
         SchedulerConfig(pipeline_microbatches=MAX_MICROBATCHES + 1)
 

@@ -27,8 +27,10 @@ from worker_svc.step.loader import load_model
 NEW_TOKENS = 16
 
 
-async def stream_through(model_dir: Path, addresses: list[str], prompts: list[list[int]]) -> list[list[int]]:
-    s = await start_scheduler(model_dir, ",".join(addresses))
+async def stream_through(
+    model_dir: Path, addresses: list[str], prompts: list[list[int]], micro_batches: int = 0
+) -> list[list[int]]:
+    s = await start_scheduler(model_dir, ",".join(addresses), pipeline_microbatches=micro_batches)
     try:
         await s.wait_ready()
         gens = await asyncio.gather(
@@ -47,10 +49,14 @@ def prompts_for(seed: int, lengths: tuple[int, ...] = (20, 9, 31)) -> list[list[
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
-async def served(model_dir: Path, pp: int, tp: int, prompts: list[list[int]], *extra: str) -> list[list[int]]:
+async def served(
+    model_dir: Path, pp: int, tp: int, prompts: list[list[int]], *extra: str, micro_batches: int = 0
+) -> list[list[int]]:
+    """Greedy tokens through a pipeline; `micro_batches` 0: the default, for CPU ranks one plan
+    at a time (they share the cores), so the tests that name more run the stages at once."""
     launcher, addresses = start_group(model_dir, tp, 20.0, extra, pp=pp)
     try:
-        return await stream_through(model_dir, addresses, prompts)
+        return await stream_through(model_dir, addresses, prompts, micro_batches)
     finally:
         launcher.terminate()
         assert launcher.wait(60) == 0
@@ -62,16 +68,17 @@ def four_layers(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("pp", "tp", "extra"),
-    [(2, 1, ()), (3, 1, ("--pp-layer-split", "1,2,1")), (2, 2, ())],
-    ids=["pp2", "pp3-split-1-2-1", "pp2xtp2"],
+    ("pp", "tp", "extra", "micro_batches"),
+    [(2, 1, (), 3), (2, 1, (), 1), (3, 1, ("--pp-layer-split", "1,2,1"), 4), (2, 2, (), 3)],
+    ids=["pp2-3-microbatches", "pp2-one-plan-at-a-time", "pp3-split-1-2-1-4-microbatches", "pp2xtp2-3-microbatches"],
 )
 async def test_greedy_through_a_pipeline_equals_transformers(
-    four_layers: Path, pp: int, tp: int, extra: tuple[str, ...]
+    four_layers: Path, pp: int, tp: int, extra: tuple[str, ...], micro_batches: int
 ) -> None:
-    prompts = prompts_for(pp * 10 + tp)
+    # Five prompts: in decode each micro-batch holds one or two of them.
+    prompts = prompts_for(pp * 10 + tp, (20, 9, 31, 14, 3))
     want = reference_greedy(four_layers, LlamaForCausalLM, prompts)
-    assert await served(four_layers, pp, tp, prompts, *extra) == want
+    assert await served(four_layers, pp, tp, prompts, *extra, micro_batches=micro_batches) == want
 
 
 @pytest.mark.parametrize(
@@ -94,7 +101,7 @@ async def test_two_families_through_a_two_stage_pipeline(tmp_path: Path, smollm2
     model_dir = make_tiny_model(tmp_path / name, smollm2_dir, config_cls, model_cls, num_hidden_layers=3, **overrides)
     prompts = prompts_for(7)
     want = reference_greedy(model_dir, model_cls, prompts)
-    assert await served(model_dir, 2, 1, prompts) == want
+    assert await served(model_dir, 2, 1, prompts, micro_batches=3) == want
 
 
 @pytest.mark.slow
@@ -113,10 +120,15 @@ async def test_killing_a_stage_ends_the_group_and_leaves_no_process(four_layers:
 async def test_a_killed_stage_costs_its_requests_a_re_prefill_on_the_other_group(
     four_layers: Path, victim: int
 ) -> None:
-    """Two pipelines under one scheduler; one stage of the first is SIGKILLed mid-stream: every
-    stream ends with exactly the tokens of its undisturbed run, and no block is left taken."""
+    """Two pipelines under one scheduler, three micro-batches each; one stage of the first is
+    SIGKILLed mid-stream: every stream ends with exactly the tokens of its undisturbed run, and
+    no block is left taken."""
     groups = [start_group(four_layers, 1, dist_timeout=4.0, pp=2) for _ in range(2)]
-    s = await start_scheduler(four_layers, [",".join(addresses) for _, addresses in groups])  # type: ignore[arg-type]
+    s = await start_scheduler(
+        four_layers,
+        [",".join(addresses) for _, addresses in groups],  # type: ignore[arg-type]
+        pipeline_microbatches=3,  # the lost group has several plans in flight
+    )
     try:
         await until(lambda: len(s.engine.replicas) == 2 and all(r.scheduler for r in s.engine.replicas), timeout=120)
         reqs = [request(ids=p, max_tokens=40, ignore_eos=True) for p in prompts_for(3, tuple(range(5, 37, 4)))]

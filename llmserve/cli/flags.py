@@ -148,7 +148,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="plans a pipelined worker group keeps in flight over disjoint sequences, so that every stage has "
-        "work (default 0 = one per stage and one more, which hides the scheduler's turn-around; 1 = one at a time)",
+        "work (default 0 = one per stage and one more, which hides the scheduler's turn-around, or 1 for CPU "
+        "ranks, which share the host's cores; 1 = one at a time)",
     )
     p.add_argument(
         "--json-max-whitespace",

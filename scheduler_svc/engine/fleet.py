@@ -219,6 +219,8 @@ class Fleet:
             seq_ids=self.seq_ids,
             num_lora_slots=info.max_loras if self.config.enable_lora else 0,
             pipeline_stages=info.pipeline_stages,
+            # CPU ranks share one host's cores (a group's ranks are started together).
+            stages_share_cores=info.device == "cpu",
         )
         log.info(
             "worker_ready",

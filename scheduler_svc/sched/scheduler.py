@@ -27,9 +27,9 @@ holds it, and the worker applies a plan's loads after the forward pass of the pl
 runs through the adapter it was planned with.
 
 Micro-batches: a pipelined worker group (`pipeline_stages` > 1) runs one plan per stage at a
-time, so `schedule()` keeps up to `micro_batches` plans in flight (one per stage and one more,
-by default), over disjoint groups: while the last stage runs plan k, the first already runs
-plan k + 1. Nothing is planned ahead there
+time, so `schedule()` keeps up to `micro_batches` plans in flight (by default one per stage and
+one more, or one for stages on one CPU: `_default_micro_batches`), over disjoint groups: while
+the last stage runs plan k, the first already runs plan k + 1. Nothing is planned ahead there
 (no plan names a token still in flight, so the stages never send tokens back to the first):
 a group in a plan in flight waits for its result before it is planned or preempted again, and
 each plan takes its share of the idle running sequences (`_share`). The plans are applied in
@@ -66,6 +66,17 @@ from scheduler_svc.sched.step_planner import StepPlanner
 from scheduler_svc.sched.token_events import ResultApplier, TokenEvent
 
 
+def _default_micro_batches(stages: int, share_cores: bool) -> int:
+    """Plans in flight for a pipeline: one per stage and one more, which covers the scheduler's
+    turn-around (apply a result, plan, send) as planning ahead does without stages; with one per
+    stage exactly, the first stage waits for it. Stages that are a CPU's ranks share its cores
+    and memory bandwidth, so running them at once gains nothing and smaller batches cost weight
+    reads: they take turns (SmolLM2 at pp = 2 on two cores: 419 output tok/s one plan at a
+    time, 109 with three plans and both ranks' thread teams fighting for the cores, 296 with a
+    core each)."""
+    return 1 if share_cores else stages + 1
+
+
 @dataclass
 class _InFlight:
     """A plan sent to the worker whose result has not been applied yet."""
@@ -91,15 +102,18 @@ class Scheduler:
         seq_ids: Iterator[int] | None = None,
         num_lora_slots: int = 0,
         pipeline_stages: int = 1,
+        stages_share_cores: bool = False,
     ) -> None:
         if pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be at least 1, got {pipeline_stages}")
         self.config = config
-        # Plans in flight over disjoint groups: by default one per stage and one more, which
-        # covers the scheduler's turn-around (apply a result, plan, send) as planning ahead
-        # does without stages: with one per stage exactly, the first stage waits for it.
         self.micro_batches = (
-            min(config.pipeline_microbatches or pipeline_stages + 1, MAX_MICROBATCHES) if pipeline_stages > 1 else 1
+            min(
+                config.pipeline_microbatches or _default_micro_batches(pipeline_stages, stages_share_cores),
+                MAX_MICROBATCHES,
+            )
+            if pipeline_stages > 1
+            else 1
         )
         self._may_plan_ahead = config.plan_ahead and pipeline_stages == 1
         self.block_manager = block_manager
