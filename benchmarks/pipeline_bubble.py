@@ -48,7 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the packages importable without install
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.step_overlap import _drive, _free_port, _wait_ready  # noqa: E402
+from benchmarks.step_overlap import _drive, _free_port, _wait_ready, serve_runner, write_result  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HIDDEN = 64  # width of the stand-in hidden states passed stage to stage
@@ -137,28 +137,15 @@ class SleepingStage:
 
 
 async def _serve_stage(args: argparse.Namespace) -> None:
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from common.pb.llmserve.v1 import worker_pb2_grpc
-    from worker_svc.service.servicer import WorkerServicer
-
     config = json.loads((Path(args.model) / "config.json").read_text())
     runner = SleepingStage(args, int(config["vocab_size"]), int(config["max_position_embeddings"]))
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
-    servicer = WorkerServicer(runner, runner.config.model)  # type: ignore[arg-type]
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(args.listen)
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    Path(args.log).write_text(json.dumps({"layers": len(runner.stage.layers), "steps": runner.log}))
-    await server.stop(0)
-    servicer.shutdown()
+    await serve_runner(
+        runner,
+        runner.config.model,
+        args.listen,
+        args.log,
+        lambda: {"layers": len(runner.stage.layers), "steps": runner.log},
+    )
 
 
 # ---- the run ----
@@ -282,12 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['layers']:>2}L {s['compute_ms_per_step']:6.2f}ms {100 * s['idle_share']:5.1f}%" for s in m["stages"]
         )
         print(f"{m['micro_batches']:<14}{split:<12}{m['output_tokens_per_s']:>8.0f}  {cells}")
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    for path in [args.results_dir / f"pipeline-bubble-{now.strftime('%Y%m%d-%H%M%S')}.json"] + (
-        [args.out] if args.out else []
-    ):
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+    write_result(result, "pipeline-bubble", args, now)
 
 
 if __name__ == "__main__":

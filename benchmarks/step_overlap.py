@@ -111,13 +111,40 @@ class SleepingRunner:
         return StepResult(plan.step_id, tokens, end - start, logprobs=np.zeros(plan.num_seqs, np.float32))
 
 
-async def _serve_standin(args: argparse.Namespace) -> None:
+async def serve_runner(runner: Any, model_name: str, listen: str, log_path: str, log: Any) -> None:
+    """The real Worker service over a stand-in runner, until SIGTERM; then `log` (what the
+    runner recorded) goes to `log_path` as JSON."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from common.pb.llmserve.v1 import worker_pb2_grpc
     from worker_svc.service.servicer import WorkerServicer
 
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+    servicer = WorkerServicer(runner, model_name)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(listen)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    Path(log_path).write_text(json.dumps(log()))
+    await server.stop(0)
+    servicer.shutdown()
+
+
+def write_result(result: dict[str, Any], name: str, args: argparse.Namespace, now: dt.datetime) -> None:
+    """The result JSON, dated, into --results-dir (and to --out)."""
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    for path in [args.results_dir / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"] + ([args.out] if args.out else []):
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+async def _serve_standin(args: argparse.Namespace) -> None:
     config = json.loads((Path(args.model) / "config.json").read_text())
     runner = SleepingRunner(
         Path(args.model).name,
@@ -126,20 +153,7 @@ async def _serve_standin(args: argparse.Namespace) -> None:
         args.step_ms / 1e3,
         args.token_ms / 1e3,
     )
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
-    servicer = WorkerServicer(runner, runner.model_name)  # type: ignore[arg-type]
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(args.listen)
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    Path(args.log).write_text(json.dumps(runner.log))
-    await server.stop(0)
-    servicer.shutdown()
+    await serve_runner(runner, runner.model_name, args.listen, args.log, lambda: runner.log)
 
 
 # ---- the run ----
@@ -311,12 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{m['idle_ms']['mean']:>9.3f}{m['idle_ms']['p99']:>8.3f}{100 * m['idle_share_of_step']:>10.1f}%"
             f"{m['scheduler_cpu_ms_per_step']:>9.2f}ms{m['client_cpu_ms_per_step']:>10.2f}ms"
         )
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    for path in [args.results_dir / f"step-overlap-{now.strftime('%Y%m%d-%H%M%S')}.json"] + (
-        [args.out] if args.out else []
-    ):
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+    write_result(result, "step-overlap", args, now)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the packages importable without install
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.step_overlap import _free_port, _wait_ready  # noqa: E402
+from benchmarks.step_overlap import _free_port, _wait_ready, write_result  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDIN = Path(__file__).resolve().parent / "step_overlap.py"
@@ -184,12 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         r = result[phase]
         print(f"{phase:<12}{r['tokens']} tokens in {r['wall_s']:.2f} s: {r['output_tokens_per_s']:.1f} tok/s")
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    for path in [args.results_dir / f"unequal-groups-{now.strftime('%Y%m%d-%H%M%S')}.json"] + (
-        [args.out] if args.out else []
-    ):
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+    write_result(result, "unequal-groups", args, now)
 
 
 if __name__ == "__main__":
