@@ -69,15 +69,15 @@ class SleepingStage:
         from worker_svc.device import pipeline
 
         n, rank = args.stages, args.stage
-        self.cost = args.slowdown if rank == args.slow_stage else 1.0
-        self.layer_s, self.token_s = args.layer_ms * self.cost / 1e3, args.token_ms * self.cost / 1e3
+        cost = args.slowdown if rank == args.slow_stage else 1.0
+        self.layer_s, self.token_s = args.layer_ms * cost / 1e3, args.token_ms * cost / 1e3
         self.config = WorkerConfig(
             model=Path(args.model).name, rank=rank, world_size=n, pipeline_stages=n, dist_init_method=args.init
         )
         self.device = torch.device("cpu")
         self.vocab_size, self.max_model_len, self.num_layers = vocab_size, max_model_len, args.layers
         split = tuple(int(c) for c in args.split.split(",")) if args.split not in ("", "auto") else ()
-        self.group, self.stage = pipeline.join(
+        _, self.stage = pipeline.join(
             rank,
             n,
             n,
@@ -258,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "pipeline_bubble",
         "date": now.isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
-        "args": {k: v for k, v in vars(args).items() if k in ("stages", "layers", "layer_ms", "token_ms", "slowdown")}
-        | {"num_seqs": args.num_seqs, "max_tokens": args.max_tokens},
+        "args": {
+            k: getattr(args, k)
+            for k in ("stages", "layers", "layer_ms", "token_ms", "slowdown", "num_seqs", "max_tokens")
+        },
         "modes": modes,
     }
     print(f"{'micro-batches':<14}{'split':<12}{'tok/s':>8}  per stage: layers, compute ms/step, idle share")

@@ -23,7 +23,7 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import FinishReason
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from tests.test_plan_ahead import EOS, _group, _token, _workload
+from tests.test_plan_ahead import EOS, _group, _token, _workload, arrive_and_abort
 
 
 class InOrderPipeline:
@@ -72,19 +72,7 @@ def _run(
     step = most = 0
     pending = sorted(workload, key=lambda w: w["at"])
     while pending or s.has_work or in_flight:
-        while pending and pending[0]["at"] <= step:
-            w = pending.pop(0)
-            width = w.get("sampling", {}).get("best_of", 1)
-            if not s.can_ever_fit(len(w["prompt"]), len(w["prompt"]) + w["max_tokens"], width):
-                continue
-            groups.append(
-                _group(s, w["rid"], w["prompt"], w["max_tokens"], w.get("priority", 0), **w.get("sampling", {}))
-            )
-            if w.get("abort_at") is not None:
-                w["group"] = groups[-1]
-        for w in workload:
-            if w.get("abort_at") == step and "group" in w:
-                s.abort(w["group"].group_id)
+        arrive_and_abort(s, step, pending, workload, groups)
         while len(in_flight) < s.max_in_flight:
             plan = s.schedule() if s.has_work else None
             if plan is None:

@@ -76,6 +76,23 @@ def _group(
     return group
 
 
+def arrive_and_abort(
+    s: Scheduler, step: int, pending: list[dict], workload: list[dict], groups: list[SequenceGroup]
+) -> None:
+    """Add the requests of `pending` (sorted by arrival) due at `step`, and abort those due then."""
+    while pending and pending[0]["at"] <= step:
+        w = pending.pop(0)
+        width = w.get("sampling", {}).get("best_of", 1)
+        if not s.can_ever_fit(len(w["prompt"]), len(w["prompt"]) + w["max_tokens"], width):
+            continue  # the router refuses it (RESOURCE_EXHAUSTED): it would never run
+        groups.append(_group(s, w["rid"], w["prompt"], w["max_tokens"], w.get("priority", 0), **w.get("sampling", {})))
+        if w.get("abort_at") is not None:
+            w["group"] = groups[-1]
+    for w in workload:
+        if w.get("abort_at") == step and "group" in w:
+            s.abort(w["group"].group_id)
+
+
 def _run(
     workload: list[dict], pipelined: bool, num_blocks: int, **cfg: object
 ) -> tuple[dict[str, list[list[int]]], int, int]:
@@ -94,19 +111,7 @@ def _run(
     step = ahead = 0
     pending = sorted(workload, key=lambda w: w["at"])
     while pending or s.has_work or in_flight:
-        while pending and pending[0]["at"] <= step:
-            w = pending.pop(0)
-            width = w.get("sampling", {}).get("best_of", 1)
-            if not s.can_ever_fit(len(w["prompt"]), len(w["prompt"]) + w["max_tokens"], width):
-                continue  # the router refuses it (RESOURCE_EXHAUSTED): it would never run
-            groups.append(
-                _group(s, w["rid"], w["prompt"], w["max_tokens"], w.get("priority", 0), **w.get("sampling", {}))
-            )
-            if w.get("abort_at") is not None:
-                w["group"] = groups[-1]
-        for w in workload:
-            if w.get("abort_at") == step and "group" in w:
-                s.abort(w["group"].group_id)
+        arrive_and_abort(s, step, pending, workload, groups)
         while len(in_flight) < (2 if pipelined else 1):
             plan = s.schedule() if s.has_work else None
             if plan is None:

@@ -84,7 +84,7 @@ class _InFlight:
     step_id: int
     seqs: list[Sequence]
     plan: StepPlan
-    groups: frozenset[int]  # the ids of the groups it runs (busy until it is applied)
+    groups: frozenset[int]  # micro-batches: the ids of the groups it runs (busy until it is applied)
     # Set when the next plan was planned ahead of this one's result: its sequences' computed
     # tokens were advanced then, and these rows' sampled tokens made pending.
     advanced: bool = False
@@ -250,7 +250,8 @@ class Scheduler:
         self._next_step_id += 1
         self.num_planned_ahead += bool(self._in_flight) and self.micro_batches == 1
         plan = self._builder.build(step_id, seqs, query_lens)
-        self._in_flight.append(_InFlight(step_id, seqs, plan, frozenset(s.group_id for s in seqs)))
+        groups = frozenset(s.group_id for s in seqs) if self.micro_batches > 1 else frozenset()
+        self._in_flight.append(_InFlight(step_id, seqs, plan, groups))
         return plan
 
     def _share(self) -> tuple[frozenset[int], int | None]:

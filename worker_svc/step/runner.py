@@ -3,8 +3,9 @@
 The runner keeps no per-request state between steps: everything it needs comes in the plan,
 and its memory is the weights and the KV-cache tensors, plus the tokens its last step
 sampled, which a plan the scheduler made before that step's result arrived refers to
-(DEFERRED_INPUT in common/plan.py); a pipeline stage's plans never do. What it builds before its first step (the model, the
-cache's size, the warm-up) is its base class's, in runner_setup.py.
+(DEFERRED_INPUT in common/plan.py); a pipeline stage's plans never do. What it builds before
+its first step (the model, the cache's size, the warm-up) is its base class's, in
+runner_setup.py.
 """
 
 from __future__ import annotations
