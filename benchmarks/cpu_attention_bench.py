@@ -9,6 +9,7 @@ order, as a block allocator leaves them after a while. Shapes default to SmolLM2
 
     python benchmarks/cpu_attention_bench.py
     python benchmarks/cpu_attention_bench.py --baseline-lib OLD.so [OTHER.so ...]
+    python benchmarks/cpu_attention_bench.py --baseline-dense --baseline-lib PRE_RAGGED.so
 
 Reported per library: ms per layer call (median and best over --reps sweeps of all layers)
 and GB/s of K and V bytes read, next to the stream-read bandwidth of this machine measured in
@@ -16,6 +17,9 @@ the same run (torch sum over a buffer larger than L3). The current build is
 kernels.cpu_library.build("native"); each --baseline-lib (another build of the same kernels,
 such as one from an older checkout) runs alternately with it, sweep by sweep, in one process,
 so load from other users of the machine hits them all alike, and their outputs are compared.
+The tables are ragged (block ids and row offsets, common/block_tables.py); a build from before
+them took a dense [batch, width] table and its row stride instead (--baseline-dense). Every row
+here is as long as the others, so both read the same array.
 The result JSON goes to benchmarks/results/cpu-attention-<stamp>.json (and --out).
 """
 
@@ -67,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="other builds to time against, alternately (named by file stem)",
     )
+    p.add_argument(
+        "--baseline-dense",
+        action="store_true",
+        help="the baselines take a dense table and its row stride (builds from before the ragged tables)",
+    )
     p.add_argument("--stream-mib", type=int, default=1024, help="buffer of the stream-read measurement")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -74,27 +83,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_attention(path: Path, suffix: str) -> Any:
-    """The paged_attention entry point of one library file, typed."""
+def load_attention(path: Path, suffix: str, dense: bool = False) -> Any:
+    """The paged_attention entry point of one library file, typed. `dense`: a build from before
+    the ragged tables, which takes a table's row stride where the row offsets are now."""
     fn = getattr(ctypes.CDLL(str(path)), f"llmserve_paged_attention_{suffix}")
-    fn.argtypes = SIGNATURES["paged_attention"]
+    argtypes = list(SIGNATURES["paged_attention"])
+    if dense:
+        argtypes[5] = ctypes.c_int64
+    fn.argtypes = argtypes
     fn.restype = RETURNS["paged_attention"]
     return fn
 
 
 def make_layers(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
-    """Per layer (k_cache, v_cache, block_tables); and the step's q [batch, heads, head_dim]."""
+    """Per layer (k_cache, v_cache, block_ids); and the step's q [batch, heads, head_dim]."""
     g = torch.Generator().manual_seed(args.seed)
     per_seq = -(-(args.context + 1) // args.block_size)
     num_blocks = args.batch * per_seq + 8
     shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)  # [blocks, block_size, kv_heads, head_dim]
-    layers = []
+    layers: list[tuple[torch.Tensor, ...]] = []
     for _ in range(args.layers):
         k_cache = torch.randn(shape, generator=g).to(dtype)
         v_cache = torch.randn(shape, generator=g).to(dtype)
         order = torch.randperm(num_blocks, generator=g)[: args.batch * per_seq]
-        tables = order.view(args.batch, per_seq).to(torch.int32).contiguous()  # [batch, per_seq]
-        layers.append((k_cache, v_cache, tables))
+        block_ids = order.to(torch.int32).contiguous()  # [batch * per_seq]: row i at i * per_seq
+        layers.append((k_cache, v_cache, block_ids))
     q = torch.randn(args.batch, args.heads, args.head_dim, generator=g).to(dtype)
     return layers, q
 
@@ -117,21 +130,25 @@ def main(argv: list[str] | None = None) -> None:
     libs = {"current": build("native")}
     for path in args.baseline_lib:
         libs[path.stem] = path
-    fns = {name: load_attention(path, args.dtype) for name, path in libs.items()}
+    dense = {name: args.baseline_dense and name != "current" for name in libs}
+    fns = {name: load_attention(path, args.dtype, dense[name]) for name, path in libs.items()}
     log.info("libraries", **{name: str(path) for name, path in libs.items()})
 
     layers, q = make_layers(args, dtype)
     out = torch.empty_like(q)
     starts = torch.arange(args.batch, dtype=torch.int32)
     ones = torch.ones(args.batch, dtype=torch.int32)
+    per_seq = -(-(args.context + 1) // args.block_size)
+    offsets = torch.arange(0, (args.batch + 1) * per_seq, per_seq, dtype=torch.int32)  # [batch + 1]
     seq_lens = torch.full((args.batch,), args.context + 1, dtype=torch.int32)
     scale = args.head_dim**-0.5
     kv_bytes = 2 * args.batch * (args.context + 1) * args.kv_heads * args.head_dim * q.element_size()
 
-    def call(fn: Any, layer: tuple[torch.Tensor, ...], result: torch.Tensor) -> None:
-        k_cache, v_cache, tables = layer
+    def call(name: str, layer: tuple[torch.Tensor, ...], result: torch.Tensor) -> None:
+        fn, (k_cache, v_cache, block_ids) = fns[name], layer
+        rows = per_seq if dense[name] else offsets.data_ptr()  # a dense table's row stride, or the row offsets
         status = fn(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), rows,
             starts.data_ptr(), ones.data_ptr(), seq_lens.data_ptr(), args.batch, args.heads, args.kv_heads,
             args.head_dim, args.block_size, scale, 0, 0.0, result.data_ptr(), result.stride(0), args.threads,
         )  # fmt: skip
@@ -139,16 +156,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"paged_attention refused head_dim {args.head_dim}")
 
     outputs = {}
-    for name, fn in fns.items():  # warm-up, and each library's answer on layer 0
+    for name in fns:  # warm-up, and each library's answer on layer 0
         for layer in layers:
-            call(fn, layer, out)
+            call(name, layer, out)
         outputs[name] = out.clone()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.reps):
-        for name, fn in fns.items():  # alternately: the same machine state for both
+        for name in fns:  # alternately: the same machine state for both
             t0 = time.perf_counter()
             for layer in layers:
-                call(fn, layer, out)
+                call(name, layer, out)
             times[name].append((time.perf_counter() - t0) / args.layers)
     stream = stream_read_gbs(args.stream_mib)
 

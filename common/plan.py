@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from common.block_tables import BlockTables
+
 # An input token the scheduler does not know yet: the token the worker sampled for the same
 # sequence in its previous step (the scheduler planned this step before that one's result came).
 DEFERRED_INPUT = -1
@@ -104,7 +106,9 @@ class StepPlan:
     query_lens: I32  # [num_seqs] tokens fed this step
     context_lens: I32  # [num_seqs] tokens already in the KV cache
     input_ids: I32  # [sum(query_lens)]; DEFERRED_INPUT (only as a sequence's last fed token)
-    block_tables: I32  # [num_seqs, width], padded with -1 past each sequence's blocks
+    # Ragged (common/block_tables.py): row i holds at least ceil((context_lens[i] + query_lens[i])
+    # / block_size) blocks, the ones the sequence's tokens live in after this step.
+    block_tables: BlockTables
     sample: U8  # [num_seqs] 1 where this step's last token yields a new sampled token
     sampling: SamplingBatch = field(default_factory=SamplingBatch.empty)
     # Block operations the worker applies before the forward pass, in this order: swap_out
@@ -135,8 +139,7 @@ class StepPlan:
         for name in ("query_lens", "context_lens", "sample"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"plan.{name} has shape {getattr(self, name).shape}, want ({n},)")
-        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
-            raise ValueError(f"plan.block_tables has shape {self.block_tables.shape}, want ({n}, width)")
+        self.block_tables.validate(n)
         if int(self.query_lens.sum()) != self.num_tokens:
             raise ValueError("plan.input_ids length differs from the sum of query_lens")
         if n and int(self.query_lens.min()) < 1:

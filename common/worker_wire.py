@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from common import token_masks
 from common.arrays import pack, unpack
+from common.block_tables import BlockTables
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import AdapterLoad, SamplingBatch, StepPlan, StepResult
 from common.worker_info import WorkerInfo
@@ -30,8 +31,8 @@ def encode_plan(plan: StepPlan) -> worker_pb.StepPlan:
         query_lens=pack(plan.query_lens, np.int32),
         context_lens=pack(plan.context_lens, np.int32),
         input_ids=pack(plan.input_ids, np.int32),
-        block_tables=pack(plan.block_tables, np.int32),
-        block_table_width=plan.block_tables.shape[1],
+        block_ids=pack(plan.block_tables.ids, np.int32),
+        block_offsets=pack(plan.block_tables.offsets, np.int32),
         sample=pack(plan.sample, np.uint8),
         sampling=worker_pb.SamplingBatch(
             temperature=pack(s.temperature, np.float32),
@@ -88,8 +89,9 @@ def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size
     n = seq_ids.shape[0]
     if max_seqs is not None and n > max_seqs:
         raise ValueError(f"seq_ids: {n} sequences in one step, more than this worker's {max_seqs} KV blocks")
-    width = msg.block_table_width
-    tables = unpack(msg.block_tables, np.int32, "block_tables", n * width)
+    tables = BlockTables(
+        unpack(msg.block_offsets, np.int32, "block_offsets", n + 1), unpack(msg.block_ids, np.int32, "block_ids")
+    )
     s = msg.sampling
     return StepPlan(
         step_id=msg.step_id,
@@ -97,7 +99,7 @@ def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size
         query_lens=unpack(msg.query_lens, np.int32, "query_lens", n),
         context_lens=unpack(msg.context_lens, np.int32, "context_lens", n),
         input_ids=unpack(msg.input_ids, np.int32, "input_ids"),
-        block_tables=tables.reshape(n, width),
+        block_tables=tables,
         sample=unpack(msg.sample, np.uint8, "sample", n),
         sampling=SamplingBatch(
             temperature=unpack(s.temperature, np.float32, "sampling.temperature", n),

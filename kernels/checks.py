@@ -104,13 +104,34 @@ def check_cache(
         fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
 
 
+def check_block_tables(
+    block_ids: torch.Tensor, block_offsets: torch.Tensor, num_seqs: int, device: torch.device
+) -> None:
+    """Ragged block tables (common/block_tables.py): int32 block_ids [total] and int32
+    block_offsets [num_seqs + 1], contiguous, on `device`; row i's j-th block is
+    block_ids[block_offsets[i] + j].
+
+    Only the structure is checked: the values would have to be read back from the device. The
+    worker checks them on the host, from the plan (BlockTables.validate, the runner's checks).
+    """
+    check_tensor("block_ids", block_ids, 1, (torch.int32,), device=device)
+    check_tensor("block_offsets", block_offsets, 1, (torch.int32,), device=device)
+    check_shape("block_offsets", block_offsets, (num_seqs + 1,))
+
+
 def check_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
+    seq_lens: torch.Tensor,
 ) -> tuple[int, int]:
     """Checks both attention kernels share; returns (num_heads, num_kv_heads).
 
     q [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] of q's dtype
-    and device, kv_heads dividing heads; int32 block_tables [seqs, width] and seq_lens [seqs].
+    and device, kv_heads dividing heads; ragged tables (check_block_tables) whose offsets set
+    the number of sequences, and int32 seq_lens [seqs].
     """
     check_tensor("q", q, 3, FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
@@ -120,9 +141,13 @@ def check_paged_attention(
         fail("k_cache", f"on {k_cache.device}, q is on {q.device}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), device=q.device)
+    check_tensor("block_offsets", block_offsets, 1, (torch.int32,), device=q.device)
+    if block_offsets.shape[0] == 0:
+        fail("block_offsets", "needs num_seqs + 1 entries (a leading 0), got none")
+    num_seqs = block_offsets.shape[0] - 1
+    check_block_tables(block_ids, block_offsets, num_seqs, q.device)
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,), device=q.device)
-    check_shape("seq_lens", seq_lens, (block_tables.shape[0],))
+    check_shape("seq_lens", seq_lens, (num_seqs,))
     return num_heads, num_kv_heads
 
 

@@ -39,8 +39,8 @@ SIGNATURES: dict[str, list[type]] = {
         c_int64,
         _P,
         _P,
-        _P,
-        c_int64,
+        _P,  # block_ids
+        _P,  # block_offsets
         _P,
         _P,
         _P,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_cache, check_shape, check_tensor, fail
+from kernels.checks import check_block_tables, check_cache, check_shape, check_tensor, fail
 from kernels.cpu_library import load
 
 CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -40,6 +40,31 @@ def _dense(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return t.dtype is dtype and t.is_cpu and t.shape == shape and t.is_contiguous()
 
 
+def _check_bounds(
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cache_shape: torch.Size,
+    tokens: int,
+) -> None:
+    """The values the kernel indexes with, for the sequences it attends (query_lens > 0): the
+    C++ code trusts them, and a bad one reads outside the tensors rather than failing."""
+    offsets = block_offsets.long()
+    if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > block_ids.numel():
+        fail("block_offsets", f"must rise from 0 to at most the {block_ids.numel()} block ids")
+    ids = block_ids[: int(offsets[-1])]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache_shape[0]):
+        fail("block_ids", f"block id outside the cache of {cache_shape[0]} blocks")
+    live = query_lens > 0
+    need = (seq_lens.long() + cache_shape[1] - 1) // cache_shape[1]
+    if bool((live & (offsets[1:] - offsets[:-1] < need)).any()):
+        fail("block_offsets", "a row holds fewer blocks than its sequence's seq_lens needs")
+    if bool((live & ((query_lens > seq_lens) | (query_start < 0) | (query_start + query_lens > tokens))).any()):
+        fail("query_lens", f"query rows outside q's {tokens} tokens or longer than their sequence")
+
+
 class CpuKernels:
     """The kernels of one library variant ("native" or "portable", see kernels.cpu_library)."""
 
@@ -57,7 +82,8 @@ class CpuKernels:
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,  # int32 [seqs, width]
+        block_ids: torch.Tensor,  # int32 [total]: the tables' rows, one after another
+        block_offsets: torch.Tensor,  # int32 [seqs + 1]: row i starts at block_ids[block_offsets[i]]
         query_start: torch.Tensor,  # int32 [seqs]: first query row of each sequence
         query_lens: torch.Tensor,  # int32 [seqs]: its query rows; 0 skips the sequence
         seq_lens: torch.Tensor,  # int32 [seqs]: tokens in the cache after this step
@@ -65,19 +91,24 @@ class CpuKernels:
         out: torch.Tensor | None = None,
         window: int = 0,
         softcap: float = 0.0,
+        bounds_checked: bool = False,
     ) -> torch.Tensor:
         """Causal attention of each sequence's last q_len positions, read from the paged cache.
 
         Sequence i's queries are rows query_start[i] .. query_start[i] + query_lens[i] - 1 of q,
         at positions seq_lens[i] - query_lens[i] .. seq_lens[i] - 1: any mix of decodes, prefill
-        chunks and prefix-cache hits. Rows of skipped sequences are left as they are in `out`.
-        head_dim one of ATTENTION_HEAD_DIMS; any block size. `window` > 0: a query sees only
-        its last `window` positions (itself included); `softcap` > 0: scores (after `scale`)
-        become softcap * tanh(score / softcap).
+        chunks and prefix-cache hits. Its keys live in the blocks of its row of the ragged tables
+        (common/block_tables.py), at least ceil(seq_lens[i] / block_size) long. Rows of skipped
+        sequences are left as they are in `out`. head_dim one of ATTENTION_HEAD_DIMS; any block
+        size. `window` > 0: a query sees only its last `window` positions (itself included);
+        `softcap` > 0: scores (after `scale`) become softcap * tanh(score / softcap).
+
+        `bounds_checked`: the caller has checked the tables against the cache and the query rows
+        against q (the worker checks each plan once, not every layer).
         """
         dtype = q.dtype
         tokens, num_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
-        num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+        num_seqs = block_offsets.shape[0] - 1 if block_offsets.dim() == 1 else -1
         num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
         if out is None:
             out = torch.empty(tokens, num_heads, head_dim, dtype=dtype)
@@ -94,37 +125,24 @@ class CpuKernels:
             and k_cache.shape[3] == head_dim
             and _dense(v_cache, dtype, k_cache.shape)
             and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0
-            and block_tables.dtype is i32
-            and block_tables.is_cpu
-            and block_tables.is_contiguous()
+            and _dense(block_ids, i32, (block_ids.numel(),))
+            and _dense(block_offsets, i32, (num_seqs + 1,))
             and _dense(query_start, i32, (num_seqs,))
             and _dense(query_lens, i32, (num_seqs,))
             and _dense(seq_lens, i32, (num_seqs,))
         ):
-            self._explain_attention(q, k_cache, v_cache, block_tables, query_start, query_lens, seq_lens, out)
-        if num_seqs and tokens:
-            status = self._fns["paged_attention", dtype](
-                q.data_ptr(),
-                q.stride(0),
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                block_tables.data_ptr(),
-                block_tables.stride(0),
-                query_start.data_ptr(),
-                query_lens.data_ptr(),
-                seq_lens.data_ptr(),
-                num_seqs,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                k_cache.shape[1],
-                scale,
-                window,
-                softcap,
-                out.data_ptr(),
-                out.stride(0),
-                torch.get_num_threads(),
+            self._explain_attention(
+                q, k_cache, v_cache, block_ids, block_offsets, query_start, query_lens, seq_lens, out
             )
+        if num_seqs and tokens:
+            if not bounds_checked:
+                _check_bounds(block_ids, block_offsets, query_start, query_lens, seq_lens, k_cache.shape, tokens)
+            status = self._fns["paged_attention", dtype](
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
+                block_offsets.data_ptr(), query_start.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(),
+                num_seqs, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, window, softcap,
+                out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
             if status != 0:
                 fail("q", f"no kernel for head_dim {head_dim}")
         return out
@@ -134,7 +152,8 @@ class CpuKernels:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
+        block_ids: torch.Tensor,
+        block_offsets: torch.Tensor,
         query_start: torch.Tensor,
         query_lens: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -153,19 +172,11 @@ class CpuKernels:
                 fail(name, "must be a contiguous CPU tensor")
         if num_heads % num_kv_heads:
             fail("q", f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
-        check_tensor("block_tables", block_tables, 2, (torch.int32,), device=_CPU)
-        num_seqs = block_tables.shape[0]
+        num_seqs = max(block_offsets.numel() - 1, 0)  # an empty block_offsets fails as one of shape (1,)
+        check_block_tables(block_ids, block_offsets, num_seqs, _CPU)
         for name, t in (("query_start", query_start), ("query_lens", query_lens), ("seq_lens", seq_lens)):
             check_tensor(name, t, 1, (torch.int32,), device=_CPU)
             check_shape(name, t, (num_seqs,))
-        for name, t in (
-            ("block_tables", block_tables),
-            ("query_start", query_start),
-            ("query_lens", query_lens),
-            ("seq_lens", seq_lens),
-        ):
-            if not t.is_contiguous():
-                fail(name, "must be contiguous")
         check_tensor("out", out, 3, (q.dtype,), device=_CPU)
         check_shape("out", out, (tokens, num_heads, head_dim))
         if out.stride(1) != head_dim:

@@ -5,18 +5,19 @@ Work is split three ways so that a small batch of long sequences still fills the
     grid = (num_seqs, num_kv_heads, num_splits)
     program (s, g, p): the query heads of KV group g of sequence s (read as one matrix, so each
     K/V tile is loaded once per group), against the p-th piece of the keys s can see, in
-    tiles of TILE tokens (decode_launch) gathered through the block table:
+    tiles of TILE tokens (decode_launch) gathered through s's row of the ragged block table
+    (block j at block_ids[block_offsets[s] + j], common/block_tables.py):
 
         visible  [lo, seq_len)    lo = max(0, seq_len - window) with a window, else 0
         piece    per_split = ceil((seq_len - lo) / num_splits), rounded up to whole tiles
         split p  [lo + p * per_split, min(lo + (p + 1) * per_split, seq_len))
 
-Each sequence splits its own keys, not the table's capacity: a CUDA graph's table is as wide
-as the longest context allowed, and a short sequence in it still gets its splits. Each program
-leaves an unnormalised partial result with its running max and sum; a second kernel merges
-the splits (log-sum-exp weights); an empty split (max = -inf, sum = 0) weighs nothing. The
-split count comes from shapes only, never from seq_lens on the host: no synchronisation, and
-the launch can be captured in a CUDA graph.
+Each sequence splits its own keys, not the table's capacity: a CUDA graph launches with
+max_blocks as wide as the longest context allowed, and a short sequence in it still gets its
+splits. Each program leaves an unnormalised partial result with its running max and sum; a
+second kernel merges the splits (log-sum-exp weights); an empty split (max = -inf, sum = 0)
+weighs nothing. The split count comes from shapes and max_blocks only, never from seq_lens
+on the host: no synchronisation, and the launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -29,15 +30,7 @@ import triton.language as tl
 
 from kernels import workspace
 from kernels.attention_tile import attend_tile, load_kv_tile
-from kernels.checks import (
-    Launch,
-    check_out,
-    check_paged_attention,
-    dot_precision,
-    fail,
-    native_dot,
-    pow2,
-)
+from kernels.checks import Launch, check_out, check_paged_attention, dot_precision, fail, native_dot, pow2
 
 
 def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -> Launch:
@@ -64,16 +57,16 @@ def decode_launch(head_dim: int, dtype: torch.dtype, group: int, on_gpu: bool) -
 
 
 # Triton compiles a variant per distinct specialisation of its integer arguments (== 1, a
-# multiple of 16). The block-table width (stride_bt) and the split count follow the batch, so
-# they are not specialised: every decode step of a model runs one compiled partial kernel.
+# multiple of 16). The split count follows the batch: not specialised, one variant per model.
 # A split's length follows its sequence, so it is computed here, not passed (`window` is fixed
 # per layer); a whole number of tiles, its divisibility is visible to the compiler anyway.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_partial_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    block_tables_ptr,
+    block_ids_ptr,
+    block_offsets_ptr,
     seq_lens_ptr,
     acc_ptr,
     max_ptr,
@@ -89,7 +82,6 @@ def _decode_partial_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
-    stride_bt,
     num_heads,
     num_splits,
     GROUP: tl.constexpr,
@@ -108,6 +100,8 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # int64: the ids before a row pass 2^31 in a big batch of long sequences.
+    table_ptr = block_ids_ptr + tl.load(block_offsets_ptr + seq).to(tl.int64)
     # A window (> 0) hides the keys before the last `window`: no split is spent on those.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), TILE) * TILE
@@ -137,7 +131,7 @@ def _decode_partial_kernel(
         k, v = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
-            block_tables_ptr + seq * stride_bt,
+            table_ptr,
             tok,
             t_mask,
             kv_head,
@@ -214,8 +208,9 @@ def default_num_splits(
     """Splits per sequence: enough programs to fill the device twice over, at most MAX_SPLITS.
 
     A sequence of t tiles fills min(splits, t) of them; the rest load nothing. The one bound
-    on t known without reading seq_lens is the visible range the table allows (its capacity,
-    or the window when shorter): past it every split of every sequence would be empty."""
+    on t known without reading seq_lens is the visible range the widest row allows
+    (`max_blocks`, known on the host, or the window when shorter): past it every split of every
+    sequence would be empty."""
     units = _parallel_units(device)
     want = -(-units // max(1, num_seqs * num_kv_heads))
     visible = max_blocks * block_size
@@ -244,12 +239,12 @@ def decode_shapes(
     max_num_seqs: int,
     max_blocks: int,
 ) -> dict[int, tuple[int, int]]:
-    """merge_pad -> a decode batch (num_seqs, block-table width) whose launch picks it, for
-    every merge variant a batch of up to `max_num_seqs` and `max_blocks` can pick (the
+    """merge_pad -> a decode batch (num_seqs, max_blocks: its widest row) whose launch picks it,
+    for every merge variant a batch of up to `max_num_seqs` and `max_blocks` can pick (the
     worker's warm-up runs each, so that no later step compiles one).
 
-    default_num_splits is min(want(num_seqs), tiles(width)): each value is reached by one
-    sequence at some width (tiles binds) or by that many at the widest table (want binds), so
+    default_num_splits is min(want(num_seqs), tiles(max_blocks)): each value is reached by one
+    sequence at some width (tiles binds) or by that many at the widest row (want binds), so
     walking those two edges finds them all. A windowed layer takes min(that, tiles(window));
     merge_pad is monotone, so it picks the same tile as in the step listed for the full
     layers'. Widest first, so that a shape's table holds a block and a half where it can.
@@ -289,9 +284,11 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_blocks: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int = 0,
@@ -300,14 +297,16 @@ def paged_decode_attention(
     """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim].
 
     Sequence i attends to its seq_lens[i] cached tokens (this step's included), found through
-    block_tables[i] (int32 [num_seqs, max_blocks_per_seq]); with `window` > 0 to its last
-    `window` of them only. `softcap` > 0 caps the scores (after `scale`) at +-softcap with
-    tanh. `num_splits` overrides the split heuristic (tests use it to force empty splits).
+    its row of the ragged tables: block j at block_ids[block_offsets[i] + j] (int32 [total]
+    and [num_seqs + 1]); with `window` > 0 to its last `window` of them only. `max_blocks`,
+    the most blocks a row's seq_len spans (an upper bound will do), sizes the split count
+    without reading the device. `softcap` > 0 caps the scores (after `scale`) at +-softcap
+    with tanh. `num_splits` overrides the split heuristic (tests use it to force empty splits).
     """
-    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_ids, block_offsets, seq_lens)
     num_seqs, _, head_dim = q.shape
-    if block_tables.shape[0] != num_seqs:
-        fail("block_tables", f"has {block_tables.shape[0]} rows for {num_seqs} sequences")
+    if block_offsets.shape[0] != num_seqs + 1:
+        fail("block_offsets", f"has {block_offsets.shape[0] - 1} rows for {num_seqs} sequences")
     out = check_out(out, q)
     if num_seqs == 0:
         return out
@@ -315,14 +314,15 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     launch = decode_launch(head_dim, q.dtype, group, q.is_cuda)
     splits = num_splits or default_num_splits(
-        num_seqs, num_kv_heads, block_tables.shape[1], block_size, launch.keys, q.device, window
+        num_seqs, num_kv_heads, max_blocks, block_size, launch.keys, q.device, window
     )
     acc, maxes, sums = workspace.workspace(q.device, *_workspace_sizes(num_seqs, num_heads, head_dim, splits))
     _decode_partial_kernel[(num_seqs, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
-        block_tables,
+        block_ids,
+        block_offsets,
         seq_lens,
         acc,
         maxes,
@@ -338,7 +338,6 @@ def paged_decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        block_tables.stride(0),
         num_heads,
         splits,
         GROUP=group,
@@ -373,7 +372,8 @@ def paged_decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
@@ -385,7 +385,8 @@ def paged_decode_attention_reference(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
     for i in range(num_seqs):
         n = int(seq_lens[i])
-        blocks = block_tables[i, : -(-n // block_size)].long()
+        first = int(block_offsets[i])
+        blocks = block_ids[first : first + -(-n // block_size)].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [n, kv_heads, d]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, heads, d]

@@ -70,16 +70,16 @@ def prefill_launch(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Launch:
     return Launch(rows=128, keys=32 if wide else 64, num_warps=8, num_stages=3)
 
 
-# The number of sequences, the block-table width (stride_bt) and where the ends are (ends_at:
-# 1 back to back, the span count for spans) follow the batch: not specialised (Triton would
-# compile a variant for 1 and for multiples of 16), so every step of a model runs one
-# compiled kernel.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "ends_at"])
+# The number of sequences and where the ends are (ends_at: 1 back to back, the span count for
+# spans) follow the batch: not specialised (Triton would compile a variant for 1 and for
+# multiples of 16), so every step of a model runs one compiled kernel.
+@triton.jit(do_not_specialize=["num_seqs", "ends_at"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    block_tables_ptr,
+    block_ids_ptr,
+    block_offsets_ptr,
     query_start_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -98,7 +98,6 @@ def _prefill_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
-    stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -132,7 +131,8 @@ def _prefill_kernel(
     token0 = q_start.to(tl.int64) + row0
     q_tile_ptr = q_ptr + token0 * stride_qt + head * stride_qh
     out_tile_ptr = out_ptr + token0 * stride_ot + head * stride_oh
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # The sequence's row of the ragged tables; int64, as the ids before it pass 2^31.
+    table_ptr = block_ids_ptr + tl.load(block_offsets_ptr + seq).to(tl.int64)
 
     offs_m = row0 + tl.arange(0, TILE_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -207,7 +207,8 @@ def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -217,13 +218,15 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """q: [total_query_tokens, num_heads, head_dim] -> same shape (see the module docstring).
 
-    `query_start_loc`: int32 [num_seqs + 1], or spans int32 [2, num_seqs] (first rows, then
-    ends, ascending and disjoint); with spans only the rows they cover are written in `out`.
+    Sequence i's j-th block is block_ids[block_offsets[i] + j] (ragged tables, int32 [total]
+    and [num_seqs + 1]: the offsets say how many sequences there are). `query_start_loc`:
+    int32 [num_seqs + 1], or spans int32 [2, num_seqs] (first rows, then ends, ascending and
+    disjoint); with spans only the rows they cover are written in `out`.
     `window` > 0: each query sees its last `window` positions; `softcap` > 0: scores (after
     `scale`) become softcap * tanh(score / softcap)."""
-    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    num_heads, num_kv_heads = check_paged_attention(q, k_cache, v_cache, block_ids, block_offsets, seq_lens)
     total, _, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
+    num_seqs = block_offsets.shape[0] - 1
     ends_at = _check_query_rows(query_start_loc, num_seqs, q.device)
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
@@ -234,7 +237,8 @@ def paged_prefill_attention(
         q,
         k_cache,
         v_cache,
-        block_tables,
+        block_ids,
+        block_offsets,
         query_start_loc,
         seq_lens,
         out,
@@ -253,7 +257,6 @@ def paged_prefill_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pow2(head_dim, 16),
@@ -273,7 +276,8 @@ def paged_prefill_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -289,12 +293,13 @@ def paged_prefill_attention_reference(
         starts, ends = query_start_loc[0], query_start_loc[1]
     else:
         starts, ends = query_start_loc[:-1], query_start_loc[1:]
-    for i in range(block_tables.shape[0]):
+    for i in range(block_offsets.shape[0] - 1):
         a, b = int(starts[i]), int(ends[i])
         n = int(seq_lens[i])
         if b == a:
             continue
-        blocks = block_tables[i, : -(-n // block_size)].long()
+        first = int(block_offsets[i])
+        blocks = block_ids[first : first + -(-n // block_size)].long()
         k = (
             k_cache[blocks]
             .reshape(-1, num_kv_heads, head_dim)[:n]

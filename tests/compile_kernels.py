@@ -45,7 +45,7 @@ from kernels.token_mask import _token_bitmask_kernel
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 TARGET = GPUTarget("cuda", 90, 32)
-INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr"}
+INT32_POINTERS = {"block_ids_ptr", "block_offsets_ptr", "seq_lens_ptr", "query_start_ptr"}
 INT64_POINTERS = {"slot_ptr", "positions_ptr", "sorted_ids_ptr", "block_expert_ptr", "block_slot_ptr"}
 FP32_POINTERS = {"acc_ptr", "max_ptr", "sum_ptr", "weights_ptr", "scales_ptr"}
 BITMASK_POINTERS = {"masks_ptr"}  # int32 words of packed bits: data, not indices
@@ -140,8 +140,6 @@ def attention_cases(
     )
     dec = decode_launch(head_dim, torch_dtype, group, on_gpu=True)
     pre = prefill_launch(head_dim, torch_dtype, on_gpu=True)
-    # The block-table width is any number (each split's length is worked out in the kernel).
-    decode_aligned = strides(_decode_partial_kernel, "stride_bt")
     return [
         Case(
             f"decode-d{head_dim}",
@@ -151,7 +149,7 @@ def attention_cases(
             dec.num_warps,
             dec.num_stages,
             head_dim,
-            decode_aligned,
+            strides(_decode_partial_kernel),
         ),
         # 64 splits is the most default_num_splits asks for: the widest merge.
         Case(
@@ -170,7 +168,7 @@ def attention_cases(
             pre.num_warps,
             pre.num_stages,
             head_dim,
-            strides(_prefill_kernel, "stride_bt"),
+            strides(_prefill_kernel),
         ),
     ]
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.block_tables import BlockTables
 from common.plan import SamplingBatch, StepPlan
 
 
@@ -23,10 +24,7 @@ class Feed:
 
 def make_plan(step_id: int, feeds: list[Feed]) -> StepPlan:
     n = len(feeds)
-    width = max(len(f.block_table) for f in feeds)
-    tables = np.full((n, width), -1, dtype=np.int32)
-    for i, f in enumerate(feeds):
-        tables[i, : len(f.block_table)] = f.block_table
+    tables = BlockTables.from_rows([f.block_table for f in feeds])
     return StepPlan(
         step_id=step_id,
         seq_ids=np.array([f.seq_id for f in feeds], np.int64),

@@ -159,7 +159,7 @@ def test_writing_into_a_shared_partial_block_copies_it_then_the_owner_writes_in_
     bm.allocate(1, 7, write_from=6)
     assert bm.block_table(1) == [0, 1]
     assert ops(bm) == ([], [], [])
-    assert bm.block_tables([1, 2]).tolist() == [[0, 1], [0, 2]]
+    assert bm.block_tables([1, 2]).dense().tolist() == [[0, 1], [0, 2]]
     bm.check_integrity()
 
 
@@ -215,7 +215,7 @@ def test_swap_out_and_in_use_exact_ids_and_record_pairs() -> None:
     assert bm.block_table(1) == [3, 4] and bm.host_table(1) == []
     assert bm.host.free_order() == [3, 1, 2]
     assert ops(bm) == ([], [[1, 3], [2, 4]], [])
-    assert bm.block_tables([1]).tolist() == [[3, 4]]
+    assert bm.block_tables([1]).dense().tolist() == [[3, 4]]
     bm.check_integrity()
 
 
@@ -240,7 +240,7 @@ def test_forks_swap_together_and_shared_blocks_move_once() -> None:
     assert refs(bm, [5, 6, 7]) == [2, 1, 1]
     assert ops(bm) == ([], [[0, 5], [1, 6], [2, 7]], [])
     assert bm.host.free_order() == [3, 1, 0, 2]
-    assert bm.block_tables([1, 2, 9]).tolist() == [[5, 6], [5, 7], [0, 1]]
+    assert bm.block_tables([1, 2, 9]).dense().tolist() == [[5, 6], [5, 7], [0, 1]]
     bm.check_integrity()
 
 
@@ -405,14 +405,15 @@ def test_prefix_caching_off_never_hits() -> None:
 # ---------------------------------------------------------------- block_tables mirror
 
 
-def test_block_tables_pad_with_minus_one() -> None:
+def test_block_tables_are_ragged_rows_in_the_order_asked() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate(1, 12)
     bm.allocate(2, 1)
     tables = bm.block_tables([2, 1])
-    assert tables.dtype == np.int32
-    assert tables.tolist() == [[3, -1, -1], [0, 1, 2]]
-    assert bm.block_tables([]).shape == (0, 0)
+    assert tables.ids.dtype == np.int32 and tables.offsets.dtype == np.int32
+    assert tables.offsets.tolist() == [0, 1, 4] and tables.ids.tolist() == [3, 0, 1, 2]
+    empty = bm.block_tables([])
+    assert empty.offsets.tolist() == [0] and empty.ids.size == 0
 
 
 def test_block_tables_never_leak_stale_ids_after_free_and_reuse() -> None:
@@ -420,22 +421,43 @@ def test_block_tables_never_leak_stale_ids_after_free_and_reuse() -> None:
     bm.allocate(1, 12)  # [0, 1, 2]
     bm.allocate(3, 12)  # [3, 4, 5]
     bm.free(1)
-    bm.allocate(2, 4)  # reuses seq 1's mirror row, whose later columns still hold 1, 2
+    bm.allocate(2, 4)
     assert bm.block_table(2) == [6]
-    assert bm.block_tables([2, 3]).tolist() == [[6, -1, -1], [3, 4, 5]]
-    assert bm.block_tables([2, 3]).tolist() == [[6, -1, -1], [3, 4, 5]]  # the mirror was not masked in place
+    for _ in range(2):  # a gather leaves the mirror as it was
+        assert bm.block_tables([2, 3]).dense().tolist() == [[6, -1, -1], [3, 4, 5]]
     bm.check_integrity()
 
 
-def test_block_tables_grow_past_the_initial_mirror() -> None:
-    bm = BlockManager(num_blocks=300, block_size=1)
-    bm.allocate(0, 130)  # wider than 64 columns
-    for seq_id in range(1, 101):  # more than 64 rows
+def test_one_long_table_costs_only_its_own_entries() -> None:
+    """A 65,536-block sequence beside 255 one-block ones: the plan's tables and the mirror
+    hold about the blocks referenced, not 256 rows of the longest table's width."""
+    bm = BlockManager(num_blocks=70_000, block_size=16)
+    for seq_id in range(255):
         bm.allocate(seq_id, 1)
-    tables = bm.block_tables([0, 100])
-    assert tables[0].tolist() == list(range(130))
-    assert tables[1].tolist() == [229] + [-1] * 129
-    assert bm._array.shape == (128, 130)  # rows are used from 0: 101 sequences fit 128 rows
+    for end in range(16 * 4096, 16 * 65_536 + 1, 16 * 4096):  # a long prompt, chunk by chunk
+        bm.allocate(1000, end)
+    tables = bm.block_tables([*range(255), 1000])
+    assert tables.ids.size == 255 + 65_536 and tables.row(255).tolist() == bm.block_table(1000)
+    assert bm.mirror.arena_size <= 4 * (255 * 4 + 65_536)
+    bm.check_integrity()
+
+
+def test_the_mirror_follows_growth_moves_and_compaction() -> None:
+    bm = BlockManager(num_blocks=3000, block_size=1)
+    for seq_id in range(100):
+        bm.allocate(seq_id, 1)
+    epoch = bm.rows_epoch
+    bm.allocate(0, 130)  # outgrows its segment: it moves, and the epoch says so
+    assert bm.rows_epoch != epoch
+    for seq_id in range(1, 100, 2):
+        bm.free(seq_id)
+    for seq_id in range(100, 300):  # enough churn to compact the holes away
+        bm.allocate(seq_id, 3)
+        bm.free(seq_id - 1 if seq_id % 2 else seq_id)
+    live = sorted(bm.tables)
+    tables = bm.block_tables(live)
+    assert [tables.row(i).tolist() for i in range(len(live))] == [bm.block_table(s) for s in live]
+    assert tables.row(live.index(0)).size == 130
     bm.check_integrity()
 
 
@@ -668,8 +690,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert kv[blocks[t // self.BS]][t % self.BS] == self.tokens[seq_id][t], (seq_id, t)
         if device:
             tables = bm.block_tables(device)
-            width = tables.shape[1]
-            assert tables.tolist() == [bm.block_table(s) + [-1] * (width - len(bm.block_table(s))) for s in device]
+            assert [tables.row(i).tolist() for i in range(len(device))] == [bm.block_table(s) for s in device]
         assert bm.take_ops()[0].shape == (0, 2)  # every rule drained its ops
 
 

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common import worker_wire
+from common.block_tables import BlockTables
 from common.config import CacheConfig, WorkerConfig
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import StepPlan, StepResult
@@ -69,7 +70,7 @@ def ops_only(step_id: int = 0, /, **ops: list[list[int]]) -> StepPlan:
         query_lens=np.zeros(0, np.int32),
         context_lens=np.zeros(0, np.int32),
         input_ids=np.zeros(0, np.int32),
-        block_tables=np.zeros((0, 0), np.int32),
+        block_tables=BlockTables(),
         sample=np.zeros(0, np.uint8),
         **{name: np.array(pairs, np.int32).reshape(-1, 2) for name, pairs in ops.items()},  # type: ignore[arg-type]
     )
@@ -305,7 +306,6 @@ def test_plan_block_ops_and_num_logprobs_survive_the_wire() -> None:
             "query_lens",
             "context_lens",
             "input_ids",
-            "block_tables",
             "sample",
             "swap_out",
             "swap_in",
@@ -313,6 +313,9 @@ def test_plan_block_ops_and_num_logprobs_survive_the_wire() -> None:
         ):
             got, want = getattr(back, name), getattr(plan, name)
             assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), name
+        for name in ("offsets", "ids"):
+            got, want = getattr(back.block_tables, name), getattr(plan.block_tables, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
         for name in ("temperature", "top_p", "top_k", "seed", "output_position", "num_logprobs"):
             got, want = getattr(back.sampling, name), getattr(plan.sampling, name)
             assert got.dtype == want.dtype and np.array_equal(got, want), name

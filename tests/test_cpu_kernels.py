@@ -13,15 +13,19 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
+from common.block_tables import BlockTables
 from kernels.activation import silu_and_mul_reference
 from kernels.cpu_library import VARIANTS, CpuKernelsUnavailable, build, compiler
 from kernels.cpu_ops import ATTENTION_HEAD_DIMS, CpuKernels, cpu_kernels
 from kernels.kv_store import store_kv_reference
 from kernels.prefill_attention import paged_prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
+from worker_svc.layers.attention import PagedAttentionBackend, TorchPagedAttention
+from worker_svc.layers.cpu_attention import CpuPagedAttention
 from worker_svc.layers.rotary import _rotate
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -43,21 +47,20 @@ def _paged_batch(
     seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """q (a strided view, as the model's qkv split gives it), caches with NaN in every slot no
-    sequence owns, shuffled block tables padded with -1, and the offsets."""
+    sequence owns, ragged tables of shuffled blocks (every other row holding a spare block
+    past the ones its tokens fill, as a row may), and the query offsets."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(contexts, q_lens)]
     need = sum(-(-s // block_size) for s in seq_lens)
-    num_blocks = need + 3
+    num_blocks = need + len(seq_lens) + 3
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
-    width = max(-(-s // block_size) for s in seq_lens) + 1
-    tables = torch.full((len(q_lens), width), -1, dtype=torch.int32)
     order = torch.randperm(num_blocks, generator=g)
-    used = 0
+    rows, used = [], 0
     for i, n in enumerate(seq_lens):
-        blocks = order[used : used + -(-n // block_size)]
+        blocks = order[used : used + -(-n // block_size) + i % 2]
         used += len(blocks)
-        tables[i, : len(blocks)] = blocks.int()
+        rows.append(blocks.tolist())
         slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:n]
         k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
         v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
@@ -66,7 +69,13 @@ def _paged_batch(
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.tensor(q_lens).cumsum(0)
-    return q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32)
+    ids, offsets = _ragged(BlockTables.from_rows(rows))
+    return q, k_cache, v_cache, ids, offsets, starts, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _ragged(tables: BlockTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_ids, block_offsets): the two tensors the kernels take for a table."""
+    return torch.from_numpy(tables.ids), torch.from_numpy(tables.offsets)
 
 
 def _attention_tolerance(dtype: torch.dtype) -> float:
@@ -82,11 +91,10 @@ MIXED_C = [0, 15, 16, 17, 700, 0, 17, 33, 3]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4), (5, 1), (12, 4), (16, 2)])
 def test_paged_attention_mixed_batch(k: CpuKernels, dtype: torch.dtype, heads: int, kv_heads: int) -> None:
-    q, kc, vc, tables, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, heads, kv_heads, 64, 16, dtype)
-    out = k.paged_attention(
-        q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor(MIXED_Q, dtype=torch.int32), seq_lens, 0.125
-    )
-    ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, heads, kv_heads, 64, 16, dtype)
+    q_lens = torch.tensor(MIXED_Q, dtype=torch.int32)
+    out = k.paged_attention(q, kc, vc, ids, offsets, starts[:-1].contiguous(), q_lens, seq_lens, 0.125)
+    ref = paged_prefill_attention_reference(q, kc, vc, ids, offsets, starts, seq_lens, 0.125)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=_attention_tolerance(dtype), rtol=_attention_tolerance(dtype))
 
@@ -97,22 +105,14 @@ def test_paged_attention_sliding_window_and_softcap(
     k: CpuKernels, dtype: torch.dtype, window: int, softcap: float
 ) -> None:
     # Windows that start mid-block and mid-chunk, shorter and longer than the query chunks.
-    q, kc, vc, tables, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, 8, 2, 64, 16, dtype, seed=2)
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch(MIXED_Q, MIXED_C, 8, 2, 64, 16, dtype, seed=2)
     q.mul_(3)  # scores large enough for the cap to bite
+    q_lens = torch.tensor(MIXED_Q, dtype=torch.int32)
     out = k.paged_attention(
-        q,
-        kc,
-        vc,
-        tables,
-        starts[:-1].contiguous(),
-        torch.tensor(MIXED_Q, dtype=torch.int32),
-        seq_lens,
-        0.125,
-        window=window,
-        softcap=softcap,
+        q, kc, vc, ids, offsets, starts[:-1].contiguous(), q_lens, seq_lens, 0.125, window=window, softcap=softcap
     )
-    ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125, window, softcap)
-    plain = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
+    ref = paged_prefill_attention_reference(q, kc, vc, ids, offsets, starts, seq_lens, 0.125, window, softcap)
+    plain = paged_prefill_attention_reference(q, kc, vc, ids, offsets, starts, seq_lens, 0.125)
     assert (ref - plain).abs().max() > 0.05
     tol = _attention_tolerance(dtype)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -123,18 +123,12 @@ def test_paged_attention_sliding_window_and_softcap(
 def test_paged_attention_head_and_block_sizes(k: CpuKernels, head_dim: int, block_size: int) -> None:
     q_lens, contexts = [1, 1, 3, 1], [0, 40, 21, 95]
     for dtype in DTYPES:
-        q, kc, vc, tables, starts, seq_lens = _paged_batch(q_lens, contexts, 6, 2, head_dim, block_size, dtype, seed=1)
-        out = k.paged_attention(
-            q,
-            kc,
-            vc,
-            tables,
-            starts[:-1].contiguous(),
-            torch.tensor(q_lens, dtype=torch.int32),
-            seq_lens,
-            head_dim**-0.5,
+        q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch(
+            q_lens, contexts, 6, 2, head_dim, block_size, dtype, seed=1
         )
-        ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, head_dim**-0.5)
+        lens = torch.tensor(q_lens, dtype=torch.int32)
+        out = k.paged_attention(q, kc, vc, ids, offsets, starts[:-1].contiguous(), lens, seq_lens, head_dim**-0.5)
+        ref = paged_prefill_attention_reference(q, kc, vc, ids, offsets, starts, seq_lens, head_dim**-0.5)
         tol = _attention_tolerance(dtype)
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -143,12 +137,11 @@ def test_paged_attention_skips_sequences_without_rows(k: CpuKernels) -> None:
     # Rows of a sequence with query_lens 0 are the caller's (the worker attends fresh prompts
     # with SDPA and writes them into the same output).
     q_lens = [1, 4, 1]
-    q, kc, vc, tables, starts, seq_lens = _paged_batch(q_lens, [10, 0, 30], 4, 2, 64, 16, torch.float32)
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch(q_lens, [10, 0, 30], 4, 2, 64, 16, torch.float32)
     out = torch.full(q.shape, 7.0)
-    k.paged_attention(
-        q, kc, vc, tables, starts[:-1].contiguous(), torch.tensor([1, 0, 1], dtype=torch.int32), seq_lens, 0.125, out
-    )
-    ref = paged_prefill_attention_reference(q, kc, vc, tables, starts, seq_lens, 0.125)
+    lens = torch.tensor([1, 0, 1], dtype=torch.int32)
+    k.paged_attention(q, kc, vc, ids, offsets, starts[:-1].contiguous(), lens, seq_lens, 0.125, out)
+    ref = paged_prefill_attention_reference(q, kc, vc, ids, offsets, starts, seq_lens, 0.125)
     assert torch.equal(out[1:5], torch.full((4, 4, 64), 7.0))
     torch.testing.assert_close(out[[0, 5]], ref[[0, 5]], atol=1e-5, rtol=1e-5)
 
@@ -156,21 +149,91 @@ def test_paged_attention_skips_sequences_without_rows(k: CpuKernels) -> None:
 def test_paged_attention_is_the_same_for_a_sequence_in_any_batch(k: CpuKernels) -> None:
     # Work is split per sequence, never across them: a row's result does not depend on its
     # neighbours (what makes greedy output independent of batching).
-    q, kc, vc, tables, starts, seq_lens = _paged_batch([1] * 6, [5, 90, 33, 16, 200, 1], 9, 3, 64, 16, torch.bfloat16)
+    contexts = [5, 90, 33, 16, 200, 1]
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch([1] * 6, contexts, 9, 3, 64, 16, torch.bfloat16)
     ones = torch.ones(6, dtype=torch.int32)
-    full = k.paged_attention(q, kc, vc, tables, starts[:-1].contiguous(), ones, seq_lens, 0.125)
+    full = k.paged_attention(q, kc, vc, ids, offsets, starts[:-1].contiguous(), ones, seq_lens, 0.125)
+    tables = BlockTables(offsets.numpy(), ids.numpy())
     for i in range(6):
+        alone_ids, alone_offsets = _ragged(tables.take(np.array([i])))
+        zero = torch.zeros(1, dtype=torch.int32)
         alone = k.paged_attention(
-            q[i : i + 1],
-            kc,
-            vc,
-            tables[i : i + 1].contiguous(),
-            torch.zeros(1, dtype=torch.int32),
-            ones[:1],
-            seq_lens[i : i + 1].contiguous(),
-            0.125,
+            q[i : i + 1], kc, vc, alone_ids, alone_offsets, zero, ones[:1], seq_lens[i : i + 1].contiguous(), 0.125
         )
         assert torch.equal(alone[0], full[i])
+
+
+# Rows of 1, 3 and 40 blocks of 16: the long one a decode, or a chunk after 600 cached tokens.
+LONG_ROWS = {"long decode": [(8, 1), (30, 10), (632, 1)], "long chunk": [(5, 4), (39, 1), (600, 33)]}
+
+
+class _LongRow:
+    """A step of (context, query tokens) sequences whose K/V are also kept whole, so that the
+    reference reads no table; the cache's blocks are shuffled, every slot no one owns is NaN."""
+
+    def __init__(self, pairs: list[tuple[int, int]], dtype: torch.dtype, heads: int = 8, kv_heads: int = 2) -> None:
+        g, bs, d = torch.Generator().manual_seed(11), 16, 64
+        self.pairs, self.scale = pairs, d**-0.5
+        lens = [c + n for c, n in pairs]
+        order = torch.randperm(sum(-(-n // bs) for n in lens) + 5, generator=g).tolist()
+        self.tables = BlockTables.from_rows([[order.pop() for _ in range(-(-n // bs))] for n in lens])
+        assert self.tables.lens.tolist() == [1, 3, 40]
+        self.kc = torch.full((self.tables.ids.size + 5, bs, kv_heads, d), float("nan"), dtype=dtype)
+        self.vc = self.kc.clone()
+        self.keys = [torch.randn(n, kv_heads, d, generator=g).to(dtype) for n in lens]
+        self.values = [torch.randn(n, kv_heads, d, generator=g).to(dtype) for n in lens]
+        slots = []  # of every cached token, sequence by sequence
+        for i, n in enumerate(lens):
+            pos = np.arange(n)
+            slots.append(self.tables.row(i)[pos // bs].astype(np.int64) * bs + pos % bs)
+            self.kc.view(-1, kv_heads, d)[slots[-1]] = self.keys[i]
+            self.vc.view(-1, kv_heads, d)[slots[-1]] = self.values[i]
+        self.slots = np.concatenate([s[c:] for s, (c, _) in zip(slots, pairs)])  # this step's tokens
+        self.k = torch.cat([kk[c:] for kk, (c, _) in zip(self.keys, pairs)])
+        self.v = torch.cat([vv[c:] for vv, (c, _) in zip(self.values, pairs)])
+        self.q = torch.randn(len(self.slots), heads, d, generator=g).to(dtype)
+        self.context = np.array([c for c, _ in pairs], np.int32)
+        self.query = np.array([n for _, n in pairs], np.int32)
+
+    def reference(self) -> torch.Tensor:
+        """float32 causal attention of each sequence's queries over its whole K/V."""
+        out, start = [], 0
+        for (ctx, n), keys, values in zip(self.pairs, self.keys, self.values):
+            group = self.q.shape[1] // keys.shape[1]
+            kf, vf = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", self.q[start : start + n].float(), kf) * self.scale
+            later = torch.arange(ctx + n)[None, :] > torch.arange(ctx, ctx + n)[:, None]  # [n, all]
+            out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(later, float("-inf")).softmax(-1), vf))
+            start += n
+        return torch.cat(out)
+
+
+@pytest.mark.parametrize("layout", list(LONG_ROWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_row_beside_short_ones(k: CpuKernels, layout: str, dtype: torch.dtype) -> None:
+    step, tol = _LongRow(LONG_ROWS[layout], dtype), _attention_tolerance(dtype)
+    want = step.reference()
+    ids, offsets = _ragged(step.tables)
+    starts = torch.from_numpy(np.concatenate([[0], np.cumsum(step.query)[:-1]]).astype(np.int32))
+    seq_lens = torch.from_numpy(step.context + step.query)
+    out = k.paged_attention(
+        step.q, step.kc, step.vc, ids, offsets, starts, torch.from_numpy(step.query), seq_lens, step.scale
+    )
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    # The worker's backends over the same plan arrays: the C++ one with the chunks in the
+    # kernel and through SDPA, and the torch reference (which multiplies its padding by zero:
+    # there NaN would stay, so that one runs on a cache without it).
+    heads, kv_heads, d = step.q.shape[1], step.kc.shape[2], step.q.shape[2]
+    backends: list[PagedAttentionBackend] = [
+        CpuPagedAttention(heads, kv_heads, d, step.scale, k, sdpa_prefills=False),
+        CpuPagedAttention(heads, kv_heads, d, step.scale, k, sdpa_prefills=True),
+        TorchPagedAttention(heads, kv_heads, d, step.scale),
+    ]
+    for backend in backends:
+        meta = backend.build_metadata(step.query, step.context, step.tables, step.slots, 16, torch.device("cpu"))
+        kc, vc = (c.clone() if backend.name == "cpu" else c.nan_to_num(0.0) for c in (step.kc, step.vc))
+        got = backend.forward(step.q, step.k, step.v, kc, vc, meta)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -263,14 +326,24 @@ def test_bad_arguments_are_named(k: CpuKernels) -> None:
         k.rms_norm(torch.zeros(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-5)
     with pytest.raises(ValueError, match="^weight"):
         k.rms_norm(torch.zeros(2, 8), torch.ones(9), 1e-5)
-    q, kc, vc, tables, starts, seq_lens = _paged_batch([1], [4], 4, 2, 64, 16, torch.float32)
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch([1], [4], 4, 2, 64, 16, torch.float32)
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="^v_cache"):
-        k.paged_attention(q, kc, vc.to(torch.bfloat16), tables, starts[:1], one, seq_lens, 0.1)
+        k.paged_attention(q, kc, vc.to(torch.bfloat16), ids, offsets, starts[:1], one, seq_lens, 0.1)
     with pytest.raises(ValueError, match="^q: head_dim"):
-        k.paged_attention(torch.zeros(1, 4, 48), kc, vc, tables, starts[:1], one, seq_lens, 0.1)
+        k.paged_attention(torch.zeros(1, 4, 48), kc, vc, ids, offsets, starts[:1], one, seq_lens, 0.1)
     with pytest.raises(ValueError, match="^query_lens"):
-        k.paged_attention(q, kc, vc, tables, starts[:1], one.long(), seq_lens, 0.1)
+        k.paged_attention(q, kc, vc, ids, offsets, starts[:1], one.long(), seq_lens, 0.1)
+    with pytest.raises(ValueError, match="^block_offsets: expected shape"):
+        k.paged_attention(q, kc, vc, ids, offsets[:0], starts[:1], one, seq_lens, 0.1)
+    # The values the C++ code indexes with: a row too short for its tokens, a block outside
+    # the cache, query rows past q's.
+    with pytest.raises(ValueError, match="^block_offsets: a row holds fewer blocks"):
+        k.paged_attention(q, kc, vc, ids, offsets, starts[:1], one, seq_lens + 16, 0.1)
+    with pytest.raises(ValueError, match="^block_ids: block id outside"):
+        k.paged_attention(q, kc, vc, ids + kc.shape[0], offsets, starts[:1], one, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="^query_lens: query rows outside"):
+        k.paged_attention(q, kc, vc, ids, offsets, starts[:1] + 1, one, seq_lens, 0.1)
     with pytest.raises(ValueError, match="^x: last dimension"):
         k.silu_and_mul(torch.zeros(2, 7))
 

@@ -1,7 +1,7 @@
 """The decode kernel splits each sequence's visible keys, not the block table's capacity.
 
-A CUDA graph's table is as wide as the longest context the model allows; when the splits
-cut that capacity, a short sequence in it fell wholly into the first split and the device
+A CUDA graph's launch takes max_blocks as wide as the longest context the model allows; when
+the splits cut that capacity, a short sequence in it fell wholly into the first split and the device
 ran one program per (sequence, KV head). What the kernel did is read back from the split-K
 workspace: a split that attended to at least one key leaves a positive softmax sum there.
 """
@@ -19,10 +19,10 @@ from kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 from kernels.workspace import workspace
-from tests.test_kernels import DEVICE, assert_close, paged_cache
+from tests.test_kernels import DEVICE, assert_close, paged_cache, ragged
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 16, 16
-WIDE = 131072 // BLOCK  # a 128k-context model's graph table
+WIDE = 131072 // BLOCK  # a 128k-context model's graph width
 
 
 @pytest.fixture(autouse=True)
@@ -32,15 +32,15 @@ def h200(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def filled_splits(lens: list[int], width: int, window: int = 0) -> list[int]:
-    """Run the kernel on sequences of `lens` in tables `width` blocks wide: how many splits of
-    each sequence attended to a key (the same for all its heads), after checking the output."""
+    """Run the kernel on sequences of `lens` launched with max_blocks = `width`: how many splits
+    of each sequence attended to a key (the same for all its heads), after checking the output."""
     k_cache, v_cache, tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK, torch.float32)
-    wide = torch.zeros(len(lens), width, dtype=torch.int32, device=DEVICE)
-    wide[:, : tables.shape[1]] = tables
+    ids, offsets = ragged(tables)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device=DEVICE)
-    got = paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, 0.25, window=window)
-    assert_close(got, paged_decode_attention_reference(q, k_cache, v_cache, wide, seq_lens, 0.25, window), q.dtype)
+    got = paged_decode_attention(q, k_cache, v_cache, ids, offsets, seq_lens, 0.25, width, window=window)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, ids, offsets, seq_lens, 0.25, window)
+    assert_close(got, want, q.dtype)
     tile = decode_launch(HEAD_DIM, q.dtype, HEADS // KV_HEADS, q.is_cuda).keys
     splits = default_num_splits(len(lens), KV_HEADS, width, BLOCK, tile, q.device, window=window)
     parts = len(lens) * HEADS * splits
@@ -64,11 +64,12 @@ def test_a_window_shares_its_splits_out_over_the_visible_keys() -> None:
 
 def test_forced_splits_beyond_a_sequence_stay_empty() -> None:
     lens = [1, 70, 200]
-    k_cache, v_cache, tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK, torch.float32, extra_width=3)
+    k_cache, v_cache, tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK, torch.float32, extra_blocks=3)
+    ids, offsets = ragged(tables)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, HEADS, HEAD_DIM, device=DEVICE)
-    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.25)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, num_splits=5)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, ids, offsets, seq_lens, 0.25)
+    got = paged_decode_attention(q, k_cache, v_cache, ids, offsets, seq_lens, 0.25, tables.max_len, num_splits=5)
     assert_close(got, want, q.dtype)
     parts = 3 * HEADS * 5
     _, _, sums = workspace(q.device, parts * HEAD_DIM, parts, parts)

@@ -1,8 +1,9 @@
 """Triton kernels against float32 torch references.
 
 Without CUDA they run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET);
-with CUDA the same tests run on the GPU. Unused cache slots and the block-table padding block
-hold NaN, so any read outside a sequence's tokens poisons the result and fails the test.
+with CUDA the same tests run on the GPU. Unused cache slots and block 0 (which rows hold past
+the blocks their tokens need, when asked to) hold NaN, so any read outside a sequence's
+tokens poisons the result and fails the test. Block tables are ragged (common/block_tables.py).
 
 The default grid covers every dtype, head layout, head size and block size at least once and
 keeps CI to a minute or two; `--full-kernels` runs the whole product.
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
+from common.block_tables import BlockTables
 from kernels.activation import silu_and_mul, silu_and_mul_reference
 from kernels.fused_moe import align_by_expert, fused_moe, fused_moe_reference
 from kernels.kv_store import store_kv, store_kv_reference
@@ -53,12 +56,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def paged_cache(
-    lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, extra_width: int = 0
-):
-    """NaN-filled caches holding random K/V for sequences of the given lengths.
+    lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, extra_blocks: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, BlockTables]:
+    """NaN-filled caches holding random K/V for sequences of the given lengths, and their tables.
 
-    Block ids are shuffled across sequences; block 0 is never used and is what table padding
-    points at, so it stays all NaN, as do the unused slots of each last block.
+    Block ids are shuffled across sequences; block 0 is never used and each row holds
+    `extra_blocks` of it after its own, so it stays all NaN, as do the unused slots of each
+    last block.
     """
     g = torch.Generator().manual_seed(sum(lens) + head_dim)
     blocks_per_seq = [-(-n // block_size) for n in lens]
@@ -66,16 +70,20 @@ def paged_cache(
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    width = max(blocks_per_seq) + extra_width
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    for i, (n, nb) in enumerate(zip(lens, blocks_per_seq)):
+    rows = []
+    for n, nb in zip(lens, blocks_per_seq):
         ids = [order.pop() for _ in range(nb)]
-        tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        rows.append(ids + [0] * extra_blocks)
         for cache in (k_cache, v_cache):
             flat = torch.randn(nb * block_size, num_kv_heads, head_dim, generator=g).to(dtype)
             flat[n:] = float("nan")
-            cache[torch.tensor(ids)] = flat.view(nb, block_size, num_kv_heads, head_dim)
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+            cache[torch.tensor(ids, dtype=torch.long)] = flat.view(nb, block_size, num_kv_heads, head_dim)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), BlockTables.from_rows(rows)
+
+
+def ragged(tables: BlockTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_ids, block_offsets) on the kernels' device: what the kernels take for a table."""
+    return torch.from_numpy(tables.ids).to(DEVICE), torch.from_numpy(tables.offsets).to(DEVICE)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -87,15 +95,16 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 def test_decode_attention(case: tuple[torch.dtype, tuple[int, int], int, int]) -> None:
     dtype, (heads, kv_heads), head_dim, block_size = case
     lens = [1, block_size - 1, block_size, block_size + 1, 1100]
-    k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, dtype, extra_width=1)
+    k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, dtype, extra_blocks=1)
     # permute the batch as well: sequence order must not matter
-    order = torch.tensor([3, 0, 4, 2, 1])
-    tables = tables[order.to(tables.device)]
+    order = np.array([3, 0, 4, 2, 1])
+    tables = tables.take(order)
     seq_lens = torch.tensor(lens, dtype=torch.int32)[order].to(DEVICE)
     q = torch.randn(len(lens), heads, head_dim).to(dtype).to(DEVICE)
     scale = head_dim**-0.5
-    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, scale)
-    assert_close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale), want, dtype)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, *ragged(tables), seq_lens, scale)
+    got = paged_decode_attention(q, k_cache, v_cache, *ragged(tables), seq_lens, scale, tables.max_len)
+    assert_close(got, want, dtype)
 
 
 def test_decode_attention_with_more_splits_than_tokens() -> None:
@@ -104,9 +113,9 @@ def test_decode_attention_with_more_splits_than_tokens() -> None:
     k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, 8, 64, device=DEVICE)
-    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, *ragged(tables), seq_lens, 0.125)
     out = torch.empty_like(q)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, out=out, num_splits=24)
+    got = paged_decode_attention(q, k_cache, v_cache, *ragged(tables), seq_lens, 0.125, 3, out=out, num_splits=24)
     assert got is out  # written in place when `out` is given
     assert_close(got, want, dtype)
 
@@ -118,7 +127,7 @@ def test_prefill_attention(case: tuple[torch.dtype, tuple[int, int], int, int]) 
     # hit on a block boundary, and an empty query.
     pairs = [(0, 37), (block_size + 3, 20), (50, 1), (0, 1), (70, 130), (2 * block_size, 9), (5, 0)]
     lens = [c + q for c, q in pairs]
-    k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, dtype, extra_width=2)
+    k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, dtype, extra_blocks=2)
     q_lens = torch.tensor([q for _, q in pairs])
     starts = torch.zeros(len(pairs) + 1, dtype=torch.int32)
     starts[1:] = q_lens.cumsum(0)
@@ -126,8 +135,8 @@ def test_prefill_attention(case: tuple[torch.dtype, tuple[int, int], int, int]) 
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     starts = starts.to(DEVICE)
     scale = head_dim**-0.5
-    want = paged_prefill_attention_reference(q, k_cache, v_cache, tables, starts, seq_lens, scale)
-    assert_close(paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, scale), want, dtype)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, *ragged(tables), starts, seq_lens, scale)
+    assert_close(paged_prefill_attention(q, k_cache, v_cache, *ragged(tables), starts, seq_lens, scale), want, dtype)
 
 
 # Sliding windows shorter than the sequences and not multiples of the block size (so a
@@ -139,15 +148,16 @@ WINDOW_SOFTCAP = [(13, 0.0), (0, 1.5), (21, 1.5)]
 @pytest.mark.parametrize(("window", "softcap"), WINDOW_SOFTCAP)
 def test_decode_attention_sliding_window_and_softcap(dtype: torch.dtype, window: int, softcap: float) -> None:
     lens = [1, 12, 13, 14, 16, 17, 90]
-    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_width=1)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_blocks=1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = (3 * torch.randn(len(lens), 8, 64)).to(dtype).to(DEVICE)
-    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125, window, softcap)
-    plain = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    rt = ragged(tables)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, *rt, seq_lens, 0.125, window, softcap)
+    plain = paged_decode_attention_reference(q, k_cache, v_cache, *rt, seq_lens, 0.125)
     assert (want - plain).abs().max() > 0.05  # the window and the cap change the result
     for splits in (None, 7):  # 7: the short sequences leave splits past their end empty
         got = paged_decode_attention(
-            q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=splits, window=window, softcap=softcap
+            q, k_cache, v_cache, *rt, seq_lens, 0.125, 6, num_splits=splits, window=window, softcap=softcap
         )
         assert_close(got, want, dtype)
 
@@ -159,16 +169,17 @@ def test_prefill_attention_sliding_window_and_softcap(dtype: torch.dtype, window
     # a decode, a long chunk far past its window.
     pairs = [(0, 37), (19, 20), (50, 1), (70, 90)]
     lens = [c + n for c, n in pairs]
-    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_width=1)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, 16, dtype, extra_blocks=1)
     starts = torch.zeros(len(pairs) + 1, dtype=torch.int32)
     starts[1:] = torch.tensor([n for _, n in pairs]).cumsum(0)
     q = (3 * torch.randn(int(starts[-1]), 8, 64)).to(dtype).to(DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     starts = starts.to(DEVICE)
-    want = paged_prefill_attention_reference(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window, softcap)
-    plain = paged_prefill_attention_reference(q, k_cache, v_cache, tables, starts, seq_lens, 0.125)
+    rt = ragged(tables)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, *rt, starts, seq_lens, 0.125, window, softcap)
+    plain = paged_prefill_attention_reference(q, k_cache, v_cache, *rt, starts, seq_lens, 0.125)
     assert (want - plain).abs().max() > 0.05
-    got = paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window=window, softcap=softcap)
+    got = paged_prefill_attention(q, k_cache, v_cache, *rt, starts, seq_lens, 0.125, window=window, softcap=softcap)
     assert_close(got, want, dtype)
 
 
@@ -178,9 +189,35 @@ def test_prefill_kernel_equals_decode_kernel_on_single_tokens() -> None:
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, 4, 64, device=DEVICE)
     starts = torch.arange(4, dtype=torch.int32, device=DEVICE)
-    a = paged_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125)
-    b = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    a = paged_prefill_attention(q, k_cache, v_cache, *ragged(tables), starts, seq_lens, 0.125)
+    b = paged_decode_attention(q, k_cache, v_cache, *ragged(tables), seq_lens, 0.125, tables.max_len)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_one_row_much_longer_than_the_others() -> None:
+    """Rows of 1, 40 and 3 blocks of shuffled ids: each row as long as its own sequence needs
+    (44 ids, not 3 x 40), and both kernels find every row where its offsets say, not at a
+    multiple of a width."""
+    block = 16
+    lens = [40 * block - 5, 1 * block, 3 * block - 7]  # 40, 1 and 3 blocks; the long row first
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, block, torch.float32)
+    tables = tables.take(np.array([1, 0, 2]))  # the long row in the middle: 1, 40, 3 blocks
+    lens = [lens[1], lens[0], lens[2]]
+    assert tables.lens.tolist() == [1, 40, 3] and tables.ids.size == 44
+    ids, offsets = ragged(tables)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 4, 64, device=DEVICE)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, ids, offsets, seq_lens, 0.125)
+    for splits in (None, 5):  # 5: the long row spread over splits, the short ones mostly empty
+        got = paged_decode_attention(q, k_cache, v_cache, ids, offsets, seq_lens, 0.125, 40, num_splits=splits)
+        assert_close(got, want, torch.float32)
+    # Prefill: a whole one-block prompt, a 20-token chunk at the end of the long row, a decode.
+    q_lens = [lens[0], 20, 1]
+    starts = torch.tensor([0, q_lens[0], q_lens[0] + 20, sum(q_lens)], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), 4, 64, device=DEVICE)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, ids, offsets, starts, seq_lens, 0.125)
+    got = paged_prefill_attention(q, k_cache, v_cache, ids, offsets, starts, seq_lens, 0.125)
+    assert_close(got, want, torch.float32)
 
 
 def test_align_by_expert_groups_pairs_in_padded_blocks() -> None:
@@ -282,23 +319,34 @@ def test_silu_and_mul(dtype: torch.dtype, width: int) -> None:
 
 def test_wrappers_refuse_bad_arguments_with_the_argument_named() -> None:
     k_cache, v_cache, tables = paged_cache([5], 2, 64, 16, torch.float32)
+    ids, offsets = ragged(tables)
     seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     q = torch.randn(1, 4, 64, device=DEVICE)
     with pytest.raises(ValueError, match="^q: 3 query heads cannot be grouped"):
-        paged_decode_attention(q[:, :3], k_cache, v_cache, tables, seq_lens, 0.1)
+        paged_decode_attention(q[:, :3], k_cache, v_cache, ids, offsets, seq_lens, 0.1, 1)
     with pytest.raises(ValueError, match="^k_cache: dtype"):
-        paged_decode_attention(q, k_cache.half(), v_cache.half(), tables, seq_lens, 0.1)
-    with pytest.raises(ValueError, match="^block_tables: dtype"):
-        paged_decode_attention(q, k_cache, v_cache, tables.long(), seq_lens, 0.1)
+        paged_decode_attention(q, k_cache.half(), v_cache.half(), ids, offsets, seq_lens, 0.1, 1)
+    with pytest.raises(ValueError, match="^block_ids: dtype"):
+        paged_decode_attention(q, k_cache, v_cache, ids.long(), offsets, seq_lens, 0.1, 1)
+    with pytest.raises(ValueError, match="^block_ids: expected 1 dimensions"):
+        paged_decode_attention(q, k_cache, v_cache, ids[None], offsets, seq_lens, 0.1, 1)
+    with pytest.raises(ValueError, match="^block_offsets: dtype"):
+        paged_decode_attention(q, k_cache, v_cache, ids, offsets.long(), seq_lens, 0.1, 1)
+    with pytest.raises(ValueError, match="^block_offsets: has 0 rows for 1 sequences"):
+        paged_decode_attention(q, k_cache, v_cache, ids, offsets[:1], seq_lens[:0], 0.1, 1)
     with pytest.raises(ValueError, match="^seq_lens: expected shape"):
-        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens.repeat(2), 0.1)
+        paged_decode_attention(q, k_cache, v_cache, ids, offsets, seq_lens.repeat(2), 0.1, 1)
     with pytest.raises(ValueError, match="^q: the last dimension must be contiguous"):
-        paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, tables, seq_lens, 0.1)
+        paged_decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, ids, offsets, seq_lens, 0.1, 1
+        )
     with pytest.raises(ValueError, match="^out: expected shape"):
-        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, out=torch.empty(2, 4, 64, device=DEVICE))
+        paged_decode_attention(
+            q, k_cache, v_cache, ids, offsets, seq_lens, 0.1, 1, out=torch.empty(2, 4, 64, device=DEVICE)
+        )
     with pytest.raises(ValueError, match="^query_start_loc: expected shape"):
         paged_prefill_attention(
-            q, k_cache, v_cache, tables, torch.zeros(5, dtype=torch.int32, device=DEVICE), seq_lens, 0.1
+            q, k_cache, v_cache, ids, offsets, torch.zeros(5, dtype=torch.int32, device=DEVICE), seq_lens, 0.1
         )
     with pytest.raises(ValueError, match="^slot_mapping: dtype"):
         store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(1, dtype=torch.int32, device=DEVICE))
@@ -314,16 +362,18 @@ def test_decode_attention_replays_inside_a_cuda_graph() -> None:
     # The caches hold 8 tokens of the first sequence: captured at 7, it grows by one on replay
     # (a decode step), while the others shrink; every length read at replay was written.
     k_cache, v_cache, tables = paged_cache([8, 300, 1025], 8, 128, 16, torch.bfloat16)
+    ids, offsets = ragged(tables)
     seq_lens = torch.tensor([7, 300, 1025], dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, 32, 128, device=DEVICE, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)  # warm-up: compile, workspace
+    args = (q, k_cache, v_cache, ids, offsets, seq_lens, 0.088, tables.max_len)
+    paged_decode_attention(*args, out=out)  # warm-up: compile, workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+        paged_decode_attention(*args, out=out)
     q.copy_(torch.randn_like(q))
     seq_lens.copy_(torch.tensor([8, 299, 1000], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, 0.088)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, ids, offsets, seq_lens, 0.088)
     assert_close(out, want, torch.bfloat16)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
-from tests.test_kernels import DEVICE, assert_close, paged_cache
+from tests.test_kernels import DEVICE, assert_close, paged_cache, ragged
 from worker_svc.layers import triton_attention
 from worker_svc.layers.attention import TorchPagedAttention
 from worker_svc.layers.triton_attention import TritonPagedAttention
@@ -25,7 +25,9 @@ SCALE = HEAD_DIM**-0.5
 # (context already cached, query tokens) per sequence.
 CONSECUTIVE = [(20, 1), (5, 1), (40, 1), (19, 20), (0, 9)]  # decodes first, as the planner lays them out
 INTERLEAVED = [(20, 1), (19, 20), (40, 1), (0, 9), (3, 1), (50, 17)]  # a decode between two chunks
-STEPS = {"consecutive": CONSECUTIVE, "interleaved": INTERLEAVED}
+# Rows of 1, 3, 40 and 40 blocks: one long decode and one long chunk beside short rows.
+LONG_ROWS = [(8, 1), (30, 10), (632, 1), (600, 33)]
+STEPS = {"consecutive": CONSECUTIVE, "interleaved": INTERLEAVED, "long rows": LONG_ROWS}
 # Windows shorter than the contexts and off block boundaries, a cap the scores pass, both.
 WINDOW_SOFTCAP = [(0, 0.0), (13, 0.0), (0, 1.5), (21, 1.5)]
 
@@ -38,14 +40,13 @@ class Step:
         self.context = np.array([c for c, _ in pairs], np.int32)
         self.query = np.array([n for _, n in pairs], np.int32)
         lens = (self.context + self.query).tolist()
-        # Unused slots and block 0 (the tables' padding) hold NaN: a stray read shows.
-        self.k_cache, self.v_cache, tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype, extra_width=1)
-        self.tables = tables.cpu().numpy()
+        # Unused slots and block 0 (a spare block past each row's own) hold NaN: a stray read shows.
+        self.k_cache, self.v_cache, self.tables = paged_cache(
+            lens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype, extra_blocks=1
+        )
         pos = np.concatenate([np.arange(c, c + n) for c, n in pairs])
         seq = np.repeat(np.arange(len(pairs)), self.query)
-        self.slots = (self.tables[seq, pos // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + pos % BLOCK_SIZE).astype(
-            np.int64
-        )
+        self.slots = self.tables.lookup(seq, pos // BLOCK_SIZE) * BLOCK_SIZE + pos % BLOCK_SIZE
         flat = torch.from_numpy(self.slots).to(DEVICE)
         self.k = self.k_cache.flatten(0, 1)[flat]  # [tokens, kv_heads, head_dim]
         self.v = self.v_cache.flatten(0, 1)[flat]
@@ -69,7 +70,7 @@ class Step:
             self.q,
             self.k_cache,
             self.v_cache,
-            torch.from_numpy(self.tables).to(DEVICE),
+            *ragged(self.tables),
             starts.to(DEVICE),
             torch.from_numpy(self.context + self.query).to(DEVICE),
             SCALE,
@@ -103,16 +104,16 @@ class _Spy:
         decode, prefill = triton_attention.paged_decode_attention, triton_attention.paged_prefill_attention
 
         def spied_decode(
-            q: torch.Tensor, k_cache: Any, v_cache: Any, tables: Any, seq_lens: Any, *a: Any, **kw: Any
+            q: torch.Tensor, k_cache: Any, v_cache: Any, ids: Any, offsets: Any, seq_lens: Any, *a: Any, **kw: Any
         ) -> Any:
             self.decode.append((q.shape[0], seq_lens.tolist()))
-            return decode(q, k_cache, v_cache, tables, seq_lens, *a, **kw)
+            return decode(q, k_cache, v_cache, ids, offsets, seq_lens, *a, **kw)
 
         def spied_prefill(
-            q: Any, k_cache: Any, v_cache: Any, tables: Any, starts: Any, seq_lens: Any, *a: Any, **kw: Any
+            q: Any, k_cache: Any, v_cache: Any, ids: Any, offsets: Any, starts: Any, seq_lens: Any, *a: Any, **kw: Any
         ) -> Any:
-            self.prefill.append((tables.shape[0], seq_lens.tolist()))
-            return prefill(q, k_cache, v_cache, tables, starts, seq_lens, *a, **kw)
+            self.prefill.append((offsets.shape[0] - 1, seq_lens.tolist()))
+            return prefill(q, k_cache, v_cache, ids, offsets, starts, seq_lens, *a, **kw)
 
         monkeypatch.setattr(triton_attention, "paged_decode_attention", spied_decode)
         monkeypatch.setattr(triton_attention, "paged_prefill_attention", spied_prefill)
@@ -147,8 +148,10 @@ def test_mixed_metadata_splits_the_rows_on_the_host() -> None:
     assert meta.query_start_loc.tolist() == [[1, 22, 32], [21, 31, 49]]
     assert meta.decodes.rows is not None and meta.decodes.rows.tolist() == [0, 21, 31]
     assert meta.decodes.seq_lens.tolist() == [21, 41, 4]
-    # Each table as wide as its own sequences need (41 tokens: 3 blocks; 67: 5).
-    assert meta.decodes.block_tables.shape == (3, 3) and meta.block_tables.shape == (3, 5)
+    # Each kernel's rows cut to the blocks their own sequences read (the spare one dropped):
+    # decodes of 21, 41 and 4 tokens, chunks of 39, 9 and 67; the longest bounds each kernel.
+    assert meta.decodes.block_offsets.tolist() == [0, 2, 5, 6] and meta.decodes.max_blocks == 3
+    assert meta.block_offsets.tolist() == [0, 3, 4, 9] and meta.max_blocks == 5
     consecutive = Step(CONSECUTIVE).meta(TritonPagedAttention(HEADS, KV_HEADS, HEAD_DIM, SCALE))
     assert consecutive.decodes is not None
     assert consecutive.decodes.rows is None and consecutive.decodes.first == 0  # q[0:3], no gather
@@ -158,13 +161,14 @@ def test_prefill_kernel_over_spans_writes_only_their_rows() -> None:
     # Three sequences whose rows sit apart in q: rows between spans belong to nobody here.
     pairs = [(19, 20), (0, 9), (50, 17)]
     lens = [c + n for c, n in pairs]
-    k_cache, v_cache, tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    k_cache, v_cache, block_tables = paged_cache(lens, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    tables = ragged(block_tables)
     spans = torch.tensor([[3, 24, 40], [23, 33, 57]], dtype=torch.int32, device=DEVICE)
     q = torch.randn(60, HEADS, HEAD_DIM, device=DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, 7.0)
-    got = paged_prefill_attention(q, k_cache, v_cache, tables, spans, seq_lens, SCALE, out=out, window=13)
-    want = paged_prefill_attention_reference(q, k_cache, v_cache, tables, spans, seq_lens, SCALE, 13)
+    got = paged_prefill_attention(q, k_cache, v_cache, *tables, spans, seq_lens, SCALE, out=out, window=13)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, *tables, spans, seq_lens, SCALE, 13)
     covered = torch.zeros(60, dtype=torch.bool)
     for a, b in spans.t().tolist():
         covered[a:b] = True
@@ -173,14 +177,14 @@ def test_prefill_kernel_over_spans_writes_only_their_rows() -> None:
     # The same rows back to back give the same result as the spans did.
     rows = torch.cat([torch.arange(a, b) for a, b in spans.t().tolist()]).to(DEVICE)
     starts = torch.tensor([0, 20, 29, 46], dtype=torch.int32, device=DEVICE)
-    packed = paged_prefill_attention(q[rows], k_cache, v_cache, tables, starts, seq_lens, SCALE, window=13)
+    packed = paged_prefill_attention(q[rows], k_cache, v_cache, *tables, starts, seq_lens, SCALE, window=13)
     torch.testing.assert_close(packed, got[rows.cpu()], atol=1e-5, rtol=1e-5)
 
 
 def test_spans_of_the_wrong_shape_are_refused() -> None:
-    k_cache, v_cache, tables = paged_cache([9, 20], KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    k_cache, v_cache, block_tables = paged_cache([9, 20], KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32)
     q = torch.randn(29, HEADS, HEAD_DIM, device=DEVICE)
     seq_lens = torch.tensor([9, 20], dtype=torch.int32, device=DEVICE)
     spans = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"^query_start_loc: expected shape \(2, 2\)"):
-        paged_prefill_attention(q, k_cache, v_cache, tables, spans, seq_lens, SCALE)
+        paged_prefill_attention(q, k_cache, v_cache, *ragged(block_tables), spans, seq_lens, SCALE)

@@ -232,7 +232,8 @@ def test_a_probe_that_does_not_fit_says_what_to_lower(model_dir: Path, monkeypat
 def test_the_widest_decode_is_a_valid_plan_within_the_cache() -> None:
     plan = widest_decode_step(8, 100, 16, 1000, num_blocks=3)
     plan.validate()
-    assert plan.block_tables.shape == (8, 7) and plan.block_tables.max() == 2 and plan.block_tables.min() == 0
+    tables = plan.block_tables.dense()
+    assert tables.shape == (8, 7) and tables.max() == 2 and tables.min() == 0
     assert (plan.context_lens == 100).all() and plan.num_tokens == 8
 
 
@@ -246,7 +247,8 @@ def test_the_long_prompts_spread_over_the_rows_a_step_may_have(
     plan = prompt_rows(tokens, rows, max_len, 16, 300, num_blocks=5)
     plan.validate()
     assert plan.query_lens.tolist() == want and (plan.context_lens == 0).all() and plan.sample.all()
-    assert plan.block_tables.shape[1] * 16 >= max(want) and 0 <= plan.block_tables.min() <= plan.block_tables.max() < 5
+    tables = plan.block_tables
+    assert tables.max_len * 16 >= max(want) and 0 <= tables.ids.min() <= tables.ids.max() < 5
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), [(96, 24), (2048, 256), (5, 256), (1, 1), (300, 1)])
@@ -254,9 +256,9 @@ def test_the_heaviest_step_is_a_valid_plan_over_distinct_blocks(tokens: int, seq
     plan, blocks = heaviest_step(tokens, seqs, 16, 1000)
     plan.validate()
     assert plan.num_tokens == tokens and plan.num_seqs == min(seqs, tokens)
-    used = plan.block_tables[plan.block_tables >= 0]
-    assert sorted(used.tolist()) == list(range(blocks))
-    assert all(len(row[row >= 0]) * 16 >= q for row, q in zip(plan.block_tables, plan.query_lens))
+    tables = plan.block_tables
+    assert sorted(tables.ids.tolist()) == list(range(blocks))
+    assert all(len(tables.row(i)) * 16 >= q for i, q in enumerate(plan.query_lens))
 
 
 def test_the_warm_up_launches_the_decode_kernel_before_serving(

@@ -73,7 +73,7 @@ class ShadowModel:
         history = plan.sampling.history_offsets
         for i in range(n):
             c, q = int(plan.context_lens[i]), int(plan.query_lens[i])
-            table = plan.block_tables[i].tolist()
+            table = plan.block_tables.row(i).tolist()
             for j in range(q):
                 block = table[(c + j) // BLOCK_SIZE]
                 assert block >= 0, f"step {plan.step_id} row {i}: position {c + j} has no block"

@@ -142,7 +142,7 @@ def test_seeded_sampling_depends_on_seed_and_position_only(model: tuple[LlamaFor
         ([Feed(0, [1, 2], 0, [-1])], "block id outside"),
         ([Feed(0, [1, 200], 0, [1])], "token id outside"),
         ([Feed(0, [1], 64, [1, 2, 3, 4, 5, 6, 7, 8, 9])], "outside the model's context"),
-        ([Feed(0, list(range(9)), 0, [1])], "too narrow"),
+        ([Feed(0, list(range(9)), 0, [1])], "too short"),
     ],
 )
 def test_malformed_plans_are_refused_before_touching_the_cache(

@@ -86,7 +86,7 @@ def test_prefill_then_decode_feeds_the_sampled_token() -> None:
     assert p0 is not None
     assert p0.query_lens.tolist() == [6] and p0.context_lens.tolist() == [0] and p0.sample.tolist() == [1]
     assert p0.input_ids.tolist() == seq.prompt_token_ids
-    assert p0.block_tables.tolist() == [[0, 1]]
+    assert p0.block_tables.dense().tolist() == [[0, 1]]
     s.update(p0, fake_execute(p0))
     p1 = s.schedule()
     assert p1 is not None

@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
+from common.block_tables import BlockTables
 from common.config import CacheConfig, WorkerConfig
 from common.plan import SamplingBatch, StepPlan
 from kernels import activation, fused_moe, kv_store, paged_attention, prefill_attention, rms_norm, rotary
@@ -139,7 +140,7 @@ def step_plan(seqs: list[tuple[int, int]], width: int | None) -> StepPlan:
         query_lens=query,
         context_lens=context,
         input_ids=np.ones(int(query.sum()), np.int32),
-        block_tables=tables,
+        block_tables=BlockTables.whole_rows(tables),
         sample=np.ones(n, np.uint8),
         sampling=SamplingBatch(
             temperature=np.zeros(n, np.float32),

@@ -57,11 +57,12 @@ def test_after_reserving_for_every_bucket_no_decode_launch_reallocates(monkeypat
     buf = workspace.reserve(DEV, max(sizes.values()))
     ptr = buf.data_ptr()
     k_cache = torch.randn(3, BLOCK, kv_heads, head_dim, device=DEV)
-    for n in buckets:  # in capture order
-        tables = torch.zeros(n, WIDE, dtype=torch.int32, device=DEV)
-        tables[:, 0] = 1
+    for n in buckets:  # in capture order: one block each, launched as the graphs' width
+        ids = torch.ones(n, dtype=torch.int32, device=DEV)
+        offsets = torch.arange(n + 1, dtype=torch.int32, device=DEV)
         seq_lens = torch.full((n,), 2, dtype=torch.int32, device=DEV)
-        paged_decode_attention(torch.randn(n, heads, head_dim, device=DEV), k_cache, k_cache, tables, seq_lens, 0.25)
+        q = torch.randn(n, heads, head_dim, device=DEV)
+        paged_decode_attention(q, k_cache, k_cache, ids, offsets, seq_lens, 0.25, WIDE)
         assert workspace.buffer(DEV) is buf and buf.data_ptr() == ptr, n
 
 
@@ -69,8 +70,9 @@ def test_the_workspace_a_launch_takes_is_what_decode_workspace_says() -> None:
     n = 3
     q = torch.randn(n, HEADS, HEAD_DIM, device=DEV)
     k_cache = torch.randn(2, BLOCK, KV_HEADS, HEAD_DIM, device=DEV)
-    tables = torch.ones(n, WIDE, dtype=torch.int32, device=DEV)
-    paged_decode_attention(q, k_cache, k_cache, tables, torch.ones(n, dtype=torch.int32, device=DEV), 0.088)
+    ids = torch.ones(n, dtype=torch.int32, device=DEV)
+    offsets = torch.arange(n + 1, dtype=torch.int32, device=DEV)
+    paged_decode_attention(q, k_cache, k_cache, ids, offsets, torch.ones(n, dtype=torch.int32, device=DEV), 0.088, WIDE)
     buf = workspace.buffer(DEV)
     assert buf is not None and buf.numel() == needs(n, DEV)
 

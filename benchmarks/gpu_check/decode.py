@@ -30,15 +30,17 @@ TARGET, STRETCH = 0.6, 0.8
 
 def random_cache(
     seqs: int, context: int, kv_heads: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache, block_tables): every sequence's blocks at shuffled places in the pool,
-    as a cache looks after a while of serving (contiguous blocks would flatter the reads)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, block_ids, block_offsets): every sequence's blocks at shuffled places
+    in the pool, as a cache looks after a while of serving (contiguous blocks would flatter the
+    reads), in the kernels' ragged tables (rows of equal length here)."""
     per_seq = -(-context // BLOCK)
     blocks = seqs * per_seq
     k = torch.randn(blocks, BLOCK, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    tables = torch.randperm(blocks, device=device).to(torch.int32).view(seqs, per_seq)
-    return k, v, tables
+    ids = torch.randperm(blocks, device=device).to(torch.int32)
+    offsets = (torch.arange(seqs + 1, device=device) * per_seq).to(torch.int32)
+    return k, v, ids, offsets
 
 
 def kv_bytes(seqs: int, context: int, kv_heads: int, head_dim: int) -> int:
@@ -76,14 +78,14 @@ def _case(
 ) -> dict[str, Any]:
     from kernels.paged_attention import paged_decode_attention
 
-    k, v, tables = random_cache(seqs, context, kv_heads, head_dim, ctx.device)
+    k, v, ids, offsets = random_cache(seqs, context, kv_heads, head_dim, ctx.device)
     seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=ctx.device)
     q = torch.randn(seqs, heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
 
     def ours() -> None:
-        paged_decode_attention(q, k, v, tables, seq_lens, scale, out=out)
+        paged_decode_attention(q, k, v, ids, offsets, seq_lens, scale, -(-context // BLOCK), out=out)
 
     case: dict[str, Any] = {"seqs": seqs, "context": context, "kv_bytes": kv_bytes(seqs, context, kv_heads, head_dim)}
     if ctx.dry:

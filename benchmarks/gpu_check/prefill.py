@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.block_tables import BlockTables
 from gpu_check.context import Context
 from gpu_check.decode import BLOCK, HEAD_DIM, HEADS, KV_HEADS, TINY_HEADS, random_cache
 from gpu_check.timing import L2Flush, matmul_peak, per_call_seconds
@@ -73,7 +74,7 @@ def _prompt_case(
     stores a step's K/V before attending)."""
     from kernels.prefill_attention import paged_prefill_attention
 
-    k, v, tables = random_cache(seqs, length, kv_heads, head_dim, ctx.device)
+    k, v, ids, offsets = random_cache(seqs, length, kv_heads, head_dim, ctx.device)
     seq_lens = torch.full((seqs,), length, dtype=torch.int32, device=ctx.device)
     starts = torch.arange(seqs + 1, dtype=torch.int32, device=ctx.device) * length
     q = torch.randn(seqs * length, heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
@@ -81,7 +82,7 @@ def _prompt_case(
     scale = head_dim**-0.5
 
     def ours() -> None:
-        paged_prefill_attention(q, k, v, tables, starts, seq_lens, scale, out=out)
+        paged_prefill_attention(q, k, v, ids, offsets, starts, seq_lens, scale, out=out)
 
     case: dict[str, Any] = {
         "seqs": seqs,
@@ -118,7 +119,7 @@ def _mixed(ctx: Context, heads: int, kv_heads: int, head_dim: int, flush: L2Flus
 
     rows = TINY_MIXED if ctx.tiny else MIXED
     tables, slots = _tables(rows)
-    k_cache, v_cache, _ = random_cache(1, int(tables.max() + 1) * BLOCK, kv_heads, head_dim, ctx.device)
+    k_cache, v_cache, _, _ = random_cache(1, int(tables.ids.max() + 1) * BLOCK, kv_heads, head_dim, ctx.device)
     backend = TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
     tokens = sum(q for q, _ in rows)
     q = torch.randn(tokens, heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
@@ -132,7 +133,8 @@ def _mixed(ctx: Context, heads: int, kv_heads: int, head_dim: int, flush: L2Flus
         query_lens = np.array([q_len for q_len, _ in part], np.int32)
         context_lens = np.array([c for _, c in part], np.int32)
         host = time.perf_counter()
-        meta = backend.build_metadata(query_lens, context_lens, tables[first:last], slots[lo:hi], BLOCK, ctx.device)
+        part_tables = tables.take(np.arange(first, last))
+        meta = backend.build_metadata(query_lens, context_lens, part_tables, slots[lo:hi], BLOCK, ctx.device)
         host = time.perf_counter() - host
         step = functools.partial(
             backend.forward, q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, window=0, softcap=0.0
@@ -149,19 +151,17 @@ def _mixed(ctx: Context, heads: int, kv_heads: int, head_dim: int, flush: L2Flus
     return result
 
 
-def _tables(rows: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Block tables (int32 [rows, width], -1 past each row's blocks) over disjoint shuffled
-    blocks, and the slot of each fed token (int64 [tokens]): where forward stores its K/V."""
-    needed = [-(-(q + c) // BLOCK) for q, c in rows]
-    pool = np.random.default_rng(0).permutation(sum(needed)).astype(np.int32)
-    tables = np.full((len(rows), max(needed)), -1, np.int32)
+def _tables(rows: list[tuple[int, int]]) -> tuple[BlockTables, np.ndarray]:
+    """Ragged block tables over disjoint shuffled blocks, each row the blocks its tokens need,
+    and the slot of each fed token (int64 [tokens]): where forward stores its K/V."""
+    needed = np.array([-(-(q + c) // BLOCK) for q, c in rows])
+    offsets = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(needed, out=offsets[1:])
+    tables = BlockTables(offsets, np.random.default_rng(0).permutation(int(offsets[-1])).astype(np.int32))
     slots = []
-    taken = 0
-    for i, ((q, c), n) in enumerate(zip(rows, needed)):
-        tables[i, :n] = pool[taken : taken + n]
-        taken += n
+    for i, (q, c) in enumerate(rows):
         positions = np.arange(c, c + q)
-        slots.append(tables[i, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK)
+        slots.append(tables.lookup(np.full(q, i), positions // BLOCK) * BLOCK + positions % BLOCK)
     return tables, np.concatenate(slots)
 
 

@@ -4,7 +4,10 @@
 //
 // Sequence s has q_len = query_lens[s] query rows, rows query_start[s] .. + q_len - 1 of q, at
 // positions [seq_len - q_len, seq_len); its keys and values live in the blocks
-// block_tables[s, :]. A sequence with no rows is skipped (the caller attends to it otherwise).
+// block_ids[block_offsets[s] ..], its own row of the ragged tables (common/block_tables.py), at
+// least ceil(seq_len / block_size) long: no row is padded to another's width, so one long
+// sequence costs the others nothing. A sequence with no rows is skipped (the caller attends to
+// it otherwise).
 // Nothing is gathered into a contiguous copy. A work item is one sequence, a tile of up to
 // TILE query rows and a range of KV heads (all of them unless the batch is too small to keep
 // the threads busy: a cache row holds every KV head of a token, and reading it whole is what
@@ -226,8 +229,8 @@ AttendFn pick(int head_dim, int group) {
 }
 
 template <typename T>
-int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                    int64_t table_stride, const int32_t* query_start, const int32_t* query_lens,
+int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_ids,
+                    const int32_t* block_offsets, const int32_t* query_start, const int32_t* query_lens,
                     const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, float scale, int window, float softcap, T* out, int64_t out_stride,
                     int num_threads) {
@@ -254,7 +257,7 @@ int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
 #pragma omp for schedule(dynamic, 1)
     for (int w = 0; w < count; ++w) {
       const Item& it = items[w];
-      fn(q, k_cache, v_cache, block_tables + it.seq * table_stride, query_start[it.seq],
+      fn(q, k_cache, v_cache, block_ids + block_offsets[it.seq], query_start[it.seq],
          seq_lens[it.seq] - query_lens[it.seq], it, sh, out, scratch.data());
     }
   }
@@ -266,15 +269,15 @@ int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
 
 // The C entry point of one dtype (paged_attention_f32.cpp, paged_attention_bf16.cpp).
 // Returns 0, or -1 for a head size without a kernel (64, 80, 96, 128 and 256 have one).
-#define LLMSERVE_PAGED_ATTENTION(suffix, T)                                                                       \
-  int llmserve_paged_attention_##suffix(                                                                          \
-      const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_tables,     \
-      int64_t table_stride, const int32_t* query_start, const int32_t* query_lens, const int32_t* seq_lens,       \
-      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,       \
-      float softcap, void* out, int64_t out_stride, int num_threads) {                                            \
-    return llmserve::paged::paged_attention(static_cast<const T*>(q), q_stride, static_cast<const T*>(k_cache),   \
-                                            static_cast<const T*>(v_cache), block_tables, table_stride,           \
-                                            query_start, query_lens, seq_lens, num_seqs, num_heads, num_kv_heads, \
-                                            head_dim, block_size, scale, window, softcap, static_cast<T*>(out),   \
-                                            out_stride, num_threads);                                             \
+#define LLMSERVE_PAGED_ATTENTION(suffix, T)                                                                         \
+  int llmserve_paged_attention_##suffix(                                                                            \
+      const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_ids,          \
+      const int32_t* block_offsets, const int32_t* query_start, const int32_t* query_lens, const int32_t* seq_lens, \
+      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,         \
+      float softcap, void* out, int64_t out_stride, int num_threads) {                                              \
+    return llmserve::paged::paged_attention(static_cast<const T*>(q), q_stride, static_cast<const T*>(k_cache),     \
+                                            static_cast<const T*>(v_cache), block_ids, block_offsets,               \
+                                            query_start, query_lens, seq_lens, num_seqs, num_heads, num_kv_heads,   \
+                                            head_dim, block_size, scale, window, softcap, static_cast<T*>(out),     \
+                                            out_stride, num_threads);                                               \
   }

@@ -19,8 +19,8 @@ Blocks are shared by reference count:
 Swapping moves a group's unique device blocks to the host pool and back. Every move is
 recorded as a (src, dst) pair that the next plan carries to the worker (`take_ops`).
 
-Tables are mirrored into one int32 array (a row per sequence) so that a plan's block tables
-are a single fancy-index copy rather than a Python loop over hundreds of lists.
+Tables are mirrored into one flat int32 arena (`table_mirror.TableMirror`), so that a plan's
+block tables are one vectorised gather whose size follows the blocks referenced.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from common.block_tables import BlockTables
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.kv_events import KvEventQueue
 from scheduler_svc.kv.prefix_chain import extend_chain, reusable_blocks
+from scheduler_svc.kv.table_mirror import TableMirror
 
 
 class BlockManager:
@@ -50,10 +52,7 @@ class BlockManager:
         self._hashes: dict[int, list[int]] = {}  # chain hash of each full block of the tokens
         self._indexed: dict[int, int] = {}  # leading table blocks already offered to the index
         self._ops: dict[str, list[tuple[int, int]]] = {"swap_out": [], "swap_in": [], "copy": []}
-        self._rows: dict[int, int] = {}
-        self.rows_epoch = 0  # bumped whenever a sequence's mirror row changes
-        self._spare_rows: list[int] = list(range(63, -1, -1))  # popped from the end: row 0 first
-        self._array = np.full((64, 64), -1, dtype=np.int32)
+        self.mirror = TableMirror()
 
     # ---- sizes ----
 
@@ -152,7 +151,7 @@ class BlockManager:
             self.device.incref(block)
         self._tables[seq_id] = list(hit)
         self._indexed[seq_id] = len(hit)
-        self._mirror(seq_id)
+        self.mirror.set(seq_id, self._tables[seq_id])
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int, salt: int = 0) -> None:
         """Index the blocks that became full and computed, so later requests can reuse them."""
@@ -209,9 +208,8 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if table is None:
             table = self._tables[seq_id] = []
-            self._mirror(seq_id)
+            self.mirror.set(seq_id, self._tables[seq_id])
         end = self.blocks_for(num_tokens)
-        row = self._rows[seq_id]
         first = len(table) if write_from is None else write_from // self.block_size
         for i in range(first, min(end, len(table))):
             old = table[i]
@@ -220,11 +218,11 @@ class BlockManager:
                 self._ops["copy"].append((old, new))
                 self.device.decref(old)
                 table[i] = new
-                self._array[row, i] = new
+                self.mirror.set_one(seq_id, i, new)
         if len(table) < end:
             start = len(table)
             table.extend(self.device.take() for _ in range(end - start))
-            self._set_range(row, start, table[start:])
+            self.mirror.set_range(seq_id, start, table[start:])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copied on the first write)."""
@@ -236,7 +234,7 @@ class BlockManager:
         self._tables[child_id] = table
         self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
         self._indexed[child_id] = self._indexed.get(parent_id, 0)
-        self._mirror(child_id)
+        self.mirror.set(child_id, table)
 
     def share_prefix(self, src_id: int, dst_id: int, num_blocks: int) -> None:
         """Start `dst_id`'s table with the first `num_blocks` blocks of `src_id` (shared)."""
@@ -247,7 +245,7 @@ class BlockManager:
             self.device.incref(block)
         self._tables[dst_id] = table
         self._indexed[dst_id] = 0
-        self._mirror(dst_id)
+        self.mirror.set(dst_id, table)
 
     def free(self, seq_id: int) -> int:
         """Drop every device and host block of `seq_id`; returns how many device blocks.
@@ -261,7 +259,7 @@ class BlockManager:
             self.host.decref(block)
         self._hashes.pop(seq_id, None)
         self._indexed.pop(seq_id, None)
-        self._release_row(seq_id)
+        self.mirror.release(seq_id)
         return len(table)
 
     def drop_device_blocks(self, seq_id: int) -> None:
@@ -270,7 +268,7 @@ class BlockManager:
         for block in reversed(table):
             self.device.decref(block)
         self._indexed[seq_id] = 0
-        self._release_row(seq_id)
+        self.mirror.release(seq_id)
 
     # ---- swapping ----
 
@@ -286,7 +284,7 @@ class BlockManager:
         moved = self._move(seq_ids, self._tables, self._host_tables, self.device, self.host, "swap_out")
         for seq_id in seq_ids:
             self._indexed[seq_id] = 0
-            self._release_row(seq_id)
+            self.mirror.release(seq_id)
         return moved
 
     def can_swap_in(self, seq_ids: Iterable[int], reserve: int = 0) -> bool:
@@ -295,7 +293,7 @@ class BlockManager:
     def swap_in(self, seq_ids: Sequence[int]) -> int:
         moved = self._move(seq_ids, self._host_tables, self._tables, self.host, self.device, "swap_in")
         for seq_id in seq_ids:
-            self._mirror(seq_id)
+            self.mirror.set(seq_id, self._tables[seq_id])
         return moved
 
     def _move(
@@ -333,45 +331,21 @@ class BlockManager:
 
     # ---- the table mirror ----
 
-    def _mirror(self, seq_id: int) -> None:
-        row = self._rows.get(seq_id)
-        if row is None:
-            if not self._spare_rows:
-                old = self._array.shape[0]
-                self._array = np.concatenate([self._array, np.full_like(self._array, -1)])
-                self._spare_rows.extend(range(2 * old - 1, old - 1, -1))
-            row = self._rows[seq_id] = self._spare_rows.pop()
-            self.rows_epoch += 1
-        self._set_range(row, 0, self._tables[seq_id])
-
-    def _set_range(self, row: int, start: int, blocks: list[int]) -> None:
-        end = start + len(blocks)
-        if end > self._array.shape[1]:
-            width = max(end, 2 * self._array.shape[1])
-            wider = np.full((self._array.shape[0], width), -1, dtype=np.int32)
-            wider[:, : self._array.shape[1]] = self._array
-            self._array = wider
-        self._array[row, start:end] = blocks
-
-    def _release_row(self, seq_id: int) -> None:
-        row = self._rows.pop(seq_id, None)
-        if row is not None:
-            # A spare row is all -1, so a row never shows ids past its own table's end.
-            self._array[row].fill(-1)
-            self._spare_rows.append(row)
-            self.rows_epoch += 1
+    @property
+    def rows_epoch(self) -> int:
+        """Moves whenever a sequence's mirror start changes (see `rows_of`)."""
+        return self.mirror.epoch
 
     def rows_of(self, seq_ids: Sequence[int]) -> np.ndarray:
-        return np.array([self._rows[s] for s in seq_ids], dtype=np.int64)
+        """The sequences' mirror starts, for `tables_at`, valid while `rows_epoch` holds."""
+        return self.mirror.starts_of(seq_ids)
 
-    def tables_at(self, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """int32 [len(rows), max(lens)]: mirror rows rows[i], which hold lens[i] blocks, then -1."""
-        width = int(lens.max()) if len(rows) else 0
-        # Rows hold -1 past each table's end (see _release_row), never someone else's block.
-        return self._array[rows, :width]
+    def tables_at(self, rows: np.ndarray, lens: np.ndarray) -> BlockTables:
+        """The first lens[i] blocks of the table at mirror start rows[i], ragged."""
+        return self.mirror.gather(rows, lens)
 
-    def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """int32 [len(seq_ids), width] of the sequences' whole tables, padded with -1."""
+    def block_tables(self, seq_ids: Sequence[int]) -> BlockTables:
+        """The sequences' whole device tables, ragged."""
         lens = np.array([len(self._tables[s]) for s in seq_ids], dtype=np.int64)
         return self.tables_at(self.rows_of(seq_ids), lens)
 
@@ -389,7 +363,8 @@ class BlockManager:
             pool.check_integrity(refs)
         if set(self._tables) & set(self._host_tables):
             raise AssertionError("a sequence holds both device and host blocks")
+        if len(self.mirror) != len(self._tables):
+            raise AssertionError(f"the mirror holds {len(self.mirror)} tables, the manager {len(self._tables)}")
         for seq_id, table in self._tables.items():
-            row = self._array[self._rows[seq_id]]
-            if list(row[: len(table)]) != table or (row[len(table) :] != -1).any():
+            if seq_id not in self.mirror or self.mirror.row(seq_id, len(table)) != table:
                 raise AssertionError(f"table mirror of seq {seq_id} is stale")

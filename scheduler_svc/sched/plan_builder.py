@@ -2,7 +2,7 @@
 
 This runs every step for up to `max_num_seqs` sequences, so it avoids per-sequence numpy
 calls: each field is one list comprehension turned into one array, block tables are one
-fancy-index copy from the block manager's mirror, and what cannot change between steps
+vectorised gather from the block manager's mirror, and what cannot change between steps
 (sampling parameters, seeds, prompt lengths, mirror rows) is reused while the step runs the
 same sequences as the previous one, which is every decode step between admissions.
 """

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common.block_tables import BlockTables
 from worker_svc.device import host_copy
 
 # Up to this many KV heads the decode path spreads queries block-diagonally (see _decode).
@@ -29,12 +30,13 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 8
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
-    block_tables: torch.Tensor  # int32 [seqs, width]
-    # Sequences that feed one token (decode), attended as one padded batch.
+    block_ids: torch.Tensor  # int32 [total]: the step's ragged tables' rows, one after another
+    # Sequences that feed one token (decode), attended as one padded batch: the reference
+    # path pads them to the widest decode (never to a prefill's width).
     decode_token_idx: torch.Tensor  # int64 [decodes] token index of each decode sequence
     decode_block_tables: torch.Tensor  # int64 [decodes, width_d]
     decode_padding: torch.Tensor  # bool [decodes, 1, width_d * block_size], True past seq_len
-    # (first token, query length, context length, row) of every other sequence.
+    # (first token, query length, context length, first block in block_ids) of every other sequence.
     prefills: tuple[tuple[int, int, int, int], ...]
     store_all: bool  # no slot is -1
 
@@ -45,8 +47,10 @@ def attend_prefills(
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim], holding this step's K/V too
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # int32 [seqs, width]
-    prefills: tuple[tuple[int, int, int, int], ...],  # (first token, query length, context length, row)
+    block_ids: torch.Tensor,  # int32 [total]: ragged tables' rows, one after another
+    # (first token, query length, context length, first block): a row's blocks start at
+    # block_ids[first block], read on the host so that slicing them waits for no device.
+    prefills: tuple[tuple[int, int, int, int], ...],
     scale: float,
     out: torch.Tensor,  # [tokens, heads, head_dim], written at each prefill's rows
     window: int = 0,
@@ -55,31 +59,60 @@ def attend_prefills(
     """Causal attention of each multi-token query with torch's SDPA (flash attention on CPU).
 
     A fresh prompt attends to its own contiguous K/V; a query with cached context before it
-    (a later chunk, a prefix-cache hit) gathers its blocks and masks: query i sits at position
-    ctx + i and sees positions 0 .. ctx + i (from ctx + i - window + 1 with a window).
+    (a later chunk, a prefix-cache hit) gathers the blocks of its own row (as many as its
+    tokens fill, whatever the other rows' lengths) and masks: query i sits at position ctx + i
+    and sees positions 0 .. ctx + i (from ctx + i - window + 1 with a window).
     Soft-capped scores cannot go through SDPA: those are computed in float32 here.
     """
-    kvh, d = k.shape[1], k.shape[2]
-    for start, q_len, ctx, row in prefills:
+    kvh, d, bs = k.shape[1], k.shape[2], k_cache.shape[1]
+    for start, q_len, ctx, first_block in prefills:
         qs = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        # Keys from the first any query sees (a window hides the older ones), whole blocks.
+        lo = max(0, ctx + 1 - window) // bs * bs if window else 0
         if ctx == 0:
             ks = k[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
             vs = v[start : start + q_len].transpose(0, 1).unsqueeze(0)
         else:
-            blocks = block_tables[row, : -(-(ctx + q_len) // k_cache.shape[1])].long()
-            ks = k_cache[blocks].view(-1, kvh, d)[: ctx + q_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, all, d]
-            vs = v_cache[blocks].view(-1, kvh, d)[: ctx + q_len].transpose(0, 1).unsqueeze(0)
+            blocks = block_ids[first_block + lo // bs : first_block + -(-(ctx + q_len) // bs)].long()
+            ks = (
+                k_cache[blocks].view(-1, kvh, d)[: ctx + q_len - lo].transpose(0, 1).unsqueeze(0)
+            )  # [1, kv_heads, n, d]
+            vs = v_cache[blocks].view(-1, kvh, d)[: ctx + q_len - lo].transpose(0, 1).unsqueeze(0)
         if ctx == 0 and not window and not softcap:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        elif not window and not softcap and q.device.type == "cpu":
+            o = _attend_after_context(qs, ks, vs, ctx, scale)
         else:
-            positions = torch.arange(ctx + q_len, device=q.device)
-            behind = positions[ctx:, None] - positions[None, :]  # [q_len, all]: how far each key is
+            positions = torch.arange(lo, ctx + q_len, device=q.device)
+            behind = positions[ctx - lo :, None] - positions[None, :]  # [q_len, n]: how far each key is
             mask = (behind >= 0) & (behind < window) if window else behind >= 0
             if softcap:
                 o = _softcapped_attention(qs, ks, vs, mask, scale, softcap)
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
+
+
+def _attend_after_context(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
+    """[1, heads, q, d] queries at positions ctx .. ctx + q - 1 over keys [0, ctx + q): the
+    cached context, which every query sees whole (no mask), and the chunk's own keys (causal),
+    each through CPU flash attention, merged by their log-sum-exps. A [q, ctx + q] mask would
+    grow with the context: 2 GiB for a chunk of 2,048 after a million tokens."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads, q_len, d = qs.shape[1], qs.shape[2], qs.shape[3]
+    group = heads // ks.shape[1]
+    # Without a mask any query row may sit anywhere: a KV head's query heads go as more rows.
+    grouped = qs.reshape(1, ks.shape[1], group * q_len, d)
+    o_ctx, lse_ctx = flash(grouped, ks[:, :, :ctx], vs[:, :, :ctx], 0.0, False, scale=scale)
+    own_k = ks[:, :, ctx:].repeat_interleave(group, 1)
+    own_v = vs[:, :, ctx:].repeat_interleave(group, 1)
+    o_own, lse_own = flash(qs, own_k, own_v, 0.0, True, scale=scale)
+    lse_ctx = lse_ctx.reshape(1, heads, q_len, 1)
+    lse_own = lse_own.reshape(1, heads, q_len, 1)
+    top = torch.maximum(lse_ctx, lse_own)
+    w_ctx, w_own = torch.exp(lse_ctx - top), torch.exp(lse_own - top)
+    merged = (o_ctx.reshape(1, heads, q_len, d).float() * w_ctx + o_own.float() * w_own) / (w_ctx + w_own)
+    return merged.to(qs.dtype)
 
 
 def _softcapped_attention(
@@ -117,7 +150,7 @@ class PagedAttentionBackend:
         self,
         query_lens: np.ndarray,
         context_lens: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: BlockTables,
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device,
@@ -153,7 +186,7 @@ class TorchPagedAttention(PagedAttentionBackend):
         self,
         query_lens: np.ndarray,
         context_lens: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: BlockTables,
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device,
@@ -162,10 +195,13 @@ class TorchPagedAttention(PagedAttentionBackend):
         starts = self.query_starts(query_lens)
         is_decode = query_lens == 1
         rows = np.flatnonzero(is_decode)
-        width_d = int(-(-seq_lens[rows].max() // block_size)) if rows.size else 0
+        need = -(-seq_lens[rows] // block_size)  # blocks each decode reads
+        width_d = int(need.max()) if rows.size else 0
         padding = np.arange(width_d * block_size)[None, :] >= seq_lens[rows][:, None]
+        first_block = block_tables.offsets
         prefills = tuple(
-            (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(~is_decode)
+            (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(first_block[r]))
+            for r in np.flatnonzero(~is_decode)
         )
 
         def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -173,10 +209,10 @@ class TorchPagedAttention(PagedAttentionBackend):
 
         return AttentionMetadata(
             slot_mapping=t(slot_mapping, torch.int64),
-            block_tables=t(block_tables, torch.int32),
+            block_ids=t(block_tables.ids, torch.int32),
             decode_token_idx=t(starts[rows], torch.int64),
-            # padding (-1) becomes block 0: gathered, then masked out by decode_padding
-            decode_block_tables=t(np.maximum(block_tables[rows, :width_d], 0), torch.int64),
+            # the padding is block 0: gathered, then masked out by decode_padding
+            decode_block_tables=t(block_tables.take(rows, need).dense(width_d, fill=0), torch.int64),
             decode_padding=t(padding[:, None, :], torch.bool),
             prefills=prefills,
             store_all=bool((slot_mapping >= 0).all()),
@@ -202,7 +238,7 @@ class TorchPagedAttention(PagedAttentionBackend):
                 hidden = hidden | (keys < (~hidden).sum(-1, keepdim=True) - window)
             decoded = self._decode(q.index_select(0, meta.decode_token_idx), k_cache, v_cache, meta, hidden, softcap)
             out.index_copy_(0, meta.decode_token_idx, decoded)
-        attend_prefills(q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out, window, softcap)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.block_ids, meta.prefills, self.scale, out, window, softcap)
         return out
 
     def _scores(self, scores: torch.Tensor, hidden: torch.Tensor, softcap: float) -> torch.Tensor:

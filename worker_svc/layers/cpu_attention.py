@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.block_tables import BlockTables
 from kernels.cpu_ops import CpuKernels
 from worker_svc.device.cpu_features import cpu_has_amx
 from worker_svc.layers.attention import PagedAttentionBackend, attend_prefills
@@ -29,11 +30,13 @@ from worker_svc.layers.attention import PagedAttentionBackend, attend_prefills
 @dataclass(frozen=True)
 class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
-    block_tables: torch.Tensor  # int32 [seqs, width]
+    # The plan's ragged tables as they are (common/block_tables.py): no row padded to another's width.
+    block_ids: torch.Tensor  # int32 [total]
+    block_offsets: torch.Tensor  # int32 [seqs + 1]: row i starts at block_ids[block_offsets[i]]
     query_start: torch.Tensor  # int32 [seqs] first query row of each sequence
     kernel_lens: torch.Tensor  # int32 [seqs] query rows paged_attention takes (0: SDPA's)
     seq_lens: torch.Tensor  # int32 [seqs] tokens in the cache after this step
-    # (first token, query length, context length, row) of every query SDPA takes.
+    # (first token, query length, context length, first block in block_ids) of every query SDPA takes.
     prefills: tuple[tuple[int, int, int, int], ...]
     any_kernel: bool
     num_tokens: int  # the step's tokens; rows past them pad the batch (worker_svc/step/step_buckets.py)
@@ -61,7 +64,7 @@ class CpuPagedAttention(PagedAttentionBackend):
         self,
         query_lens: np.ndarray,
         context_lens: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: BlockTables,
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device,
@@ -69,14 +72,17 @@ class CpuPagedAttention(PagedAttentionBackend):
         starts = self.query_starts(query_lens)[:-1]
         to_sdpa = query_lens > 1 if self.sdpa_prefills else np.zeros(len(query_lens), bool)
         kernel_lens = np.where(to_sdpa, 0, query_lens).astype(np.int32)
+        offsets = np.ascontiguousarray(block_tables.offsets, dtype=np.int32)
         return CpuAttentionMetadata(
             slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+            block_ids=torch.from_numpy(np.ascontiguousarray(block_tables.ids, dtype=np.int32)),
+            block_offsets=torch.from_numpy(offsets),
             query_start=torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int32)),
             kernel_lens=torch.from_numpy(kernel_lens),
             seq_lens=torch.from_numpy((context_lens + query_lens).astype(np.int32)),
             prefills=tuple(
-                (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(r)) for r in np.flatnonzero(to_sdpa)
+                (int(starts[r]), int(query_lens[r]), int(context_lens[r]), int(offsets[r]))
+                for r in np.flatnonzero(to_sdpa)
             ),
             any_kernel=bool(kernel_lens.any()),
             num_tokens=int(query_lens.sum()),
@@ -93,7 +99,8 @@ class CpuPagedAttention(PagedAttentionBackend):
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        # The runner checked the plan's block tables against the cache (ModelRunner.check).
+        # The runner checked the plan's block tables against the cache, each row as long as its
+        # sequence, and the positions (ModelRunner.check): once a step, not once a layer.
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, bounds_checked=True)
         out = torch.empty(q.shape, dtype=q.dtype)
         out[meta.num_tokens :].zero_()  # padding rows: attended by no sequence
@@ -102,7 +109,8 @@ class CpuPagedAttention(PagedAttentionBackend):
                 q,
                 k_cache,
                 v_cache,
-                meta.block_tables,
+                meta.block_ids,
+                meta.block_offsets,
                 meta.query_start,
                 meta.kernel_lens,
                 meta.seq_lens,
@@ -110,9 +118,8 @@ class CpuPagedAttention(PagedAttentionBackend):
                 out,
                 window,
                 softcap,
+                bounds_checked=True,
             )
         if meta.prefills:
-            attend_prefills(
-                q, k, v, k_cache, v_cache, meta.block_tables, meta.prefills, self.scale, out, window, softcap
-            )
+            attend_prefills(q, k, v, k_cache, v_cache, meta.block_ids, meta.prefills, self.scale, out, window, softcap)
         return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.block_tables import BlockTables
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
@@ -34,7 +35,9 @@ from worker_svc.layers.attention import PagedAttentionBackend
 class DecodeRows:
     """A mixed step's single-token rows, for the decode kernel."""
 
-    block_tables: torch.Tensor  # int32 [decodes, width]
+    block_ids: torch.Tensor  # int32 [their blocks], ragged rows (common/block_tables.py) ...
+    block_offsets: torch.Tensor  # int32 [decodes + 1] ... each cut to the blocks its seq_len spans
+    max_blocks: int  # the longest of those rows
     seq_lens: torch.Tensor  # int32 [decodes]
     first: int  # their q rows are first .. first + decodes - 1 ...
     rows: torch.Tensor | None = None  # ... unless given here: int64 [decodes], when not consecutive
@@ -42,12 +45,14 @@ class DecodeRows:
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
-    """block_tables, seq_lens and query_start_loc describe the sequences the step's one main
+    """The tables, seq_lens and query_start_loc describe the sequences the step's one main
     kernel runs over: every sequence (the decode kernel when `decode_only`, else the prefill
     kernel), or in a mixed step only its multi-token ones, beside `decodes`."""
 
     slot_mapping: torch.Tensor  # int64 [tokens], -1 = do not store
-    block_tables: torch.Tensor  # int32 [seqs, width]
+    block_ids: torch.Tensor  # int32 [total blocks]: row after row (common/block_tables.py)
+    block_offsets: torch.Tensor  # int32 [seqs + 1]: row i is block_ids[o[i]:o[i+1]]
+    max_blocks: int  # the longest row (at least what any seq_len spans): bounds the decode splits
     seq_lens: torch.Tensor  # int32 [seqs] tokens in the cache after this step
     query_start_loc: torch.Tensor  # int32 [seqs + 1], or in a mixed step spans [2, seqs]
     decode_only: bool  # every sequence feeds exactly one token
@@ -61,7 +66,7 @@ class TritonPagedAttention(PagedAttentionBackend):
         self,
         query_lens: np.ndarray,
         context_lens: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: BlockTables,
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device,
@@ -78,34 +83,44 @@ class TritonPagedAttention(PagedAttentionBackend):
         if decode_only or not is_decode.any():
             return TritonAttentionMetadata(
                 slot_mapping=slots,
-                block_tables=t(block_tables, torch.int32),
+                block_ids=t(block_tables.ids, torch.int32),
+                block_offsets=t(block_tables.offsets, torch.int32),
+                max_blocks=block_tables.max_len,
                 seq_lens=t(seq_lens, torch.int32),
                 query_start_loc=t(starts, torch.int32),
                 decode_only=decode_only,
             )
 
-        def tables(seqs: np.ndarray) -> np.ndarray:
-            # As wide as these sequences need: the decode split heuristic bounds its splits by
-            # the table's width, which a long chunk beside them would otherwise set.
-            width = min(block_tables.shape[1], max(1, -(-int(seq_lens[seqs].max()) // block_size)))
-            return np.ascontiguousarray(block_tables[seqs, :width])
+        needed = -(-seq_lens // block_size)  # [seqs] the blocks the kernels read of each row
+
+        def rows(seqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+            # Cut to the blocks these sequences read: the decode split heuristic bounds its
+            # splits by the longest row, which a long chunk beside them would otherwise set.
+            sub = block_tables.take(seqs, needed[seqs])
+            return t(sub.ids, torch.int32), t(sub.offsets, torch.int32), sub.max_len
 
         dec = np.flatnonzero(is_decode)
-        rows = starts[dec]
-        consecutive = int(rows[-1]) - int(rows[0]) == len(rows) - 1
+        q_rows = starts[dec]
+        consecutive = int(q_rows[-1]) - int(q_rows[0]) == len(q_rows) - 1
         pre = np.flatnonzero(query_lens > 1)  # empty queries (if any) need neither kernel
         spans = np.stack([starts[pre], starts[pre + 1]]).astype(np.int32)  # [2, prefills]
+        pre_ids, pre_offsets, pre_max = rows(pre)
+        dec_ids, dec_offsets, dec_max = rows(dec)
         return TritonAttentionMetadata(
             slot_mapping=slots,
-            block_tables=t(tables(pre), torch.int32),
+            block_ids=pre_ids,
+            block_offsets=pre_offsets,
+            max_blocks=pre_max,
             seq_lens=t(seq_lens[pre], torch.int32),
             query_start_loc=t(spans, torch.int32),
             decode_only=False,
             decodes=DecodeRows(
-                block_tables=t(tables(dec), torch.int32),
+                block_ids=dec_ids,
+                block_offsets=dec_offsets,
+                max_blocks=dec_max,
                 seq_lens=t(seq_lens[dec], torch.int32),
-                first=int(rows[0]),
-                rows=None if consecutive else t(rows, torch.int64),
+                first=int(q_rows[0]),
+                rows=None if consecutive else t(q_rows, torch.int64),
             ),
         )
 
@@ -121,15 +136,16 @@ class TritonPagedAttention(PagedAttentionBackend):
         softcap: float = 0.0,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        tables = (meta.block_ids, meta.block_offsets)
         if meta.decode_only:
             return paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, window=window, softcap=softcap
+                q, k_cache, v_cache, *tables, meta.seq_lens, self.scale, meta.max_blocks, window=window, softcap=softcap
             )
         out = paged_prefill_attention(
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
+            *tables,
             meta.query_start_loc,
             meta.seq_lens,
             self.scale,
@@ -151,7 +167,7 @@ class TritonPagedAttention(PagedAttentionBackend):
         window: int,
         softcap: float,
     ) -> None:
-        args = (k_cache, v_cache, d.block_tables, d.seq_lens, self.scale)
+        args = (k_cache, v_cache, d.block_ids, d.block_offsets, d.seq_lens, self.scale, d.max_blocks)
         if d.rows is None:
             rows = slice(d.first, d.first + d.seq_lens.shape[0])
             paged_decode_attention(q[rows], *args, out=out[rows], window=window, softcap=softcap)

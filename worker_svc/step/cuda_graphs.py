@@ -11,9 +11,11 @@ addresses, so:
     their outputs are dropped;
   - the step's inputs are copied into static buffers the graphs read (sized for the largest
     bucket, so every graph reads views of the same memory) through pinned staging slots; the
-    static block table is as wide as the widest table a sequence can have, but a step writes
-    only its plan's columns: the kernels never read a row past its seq_len, so the columns
-    beyond keep an earlier step's block ids, unread;
+    block tables are ragged (common/block_tables.py): a flat buffer of ids with room for
+    largest bucket x `width` (the widest table a sequence can have) and offsets [bucket + 1].
+    A step writes only its plan's ids and the bucket's offsets, so its upload follows the
+    blocks its sequences hold, not the graphs' capacity; the ids past them keep an earlier
+    step's, unread. The kernels launch with max_blocks = `width`, fixed at capture;
   - the split-K workspace (kernels/workspace.py) is reserved for every bucket before the
     first capture: a smaller bucket can take more splits, and a workspace that grew between
     captures would leave the earlier graphs reading freed memory;
@@ -45,14 +47,15 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class StagedDecode:
-    """One decode step's inputs in the graphs' layout: `bucket` rows, tables as wide as the plan's."""
+    """One decode step's inputs in the graphs' layout: `bucket` rows, the plan's blocks."""
 
     bucket: int
     num_seqs: int
     input_ids: np.ndarray  # int64 [bucket]
     positions: np.ndarray  # int64 [bucket]
     slot_mapping: np.ndarray  # int64 [bucket], -1 on padding rows
-    block_tables: np.ndarray  # int32 [bucket, the plan's width], 0 past each table and on padding rows
+    block_ids: np.ndarray  # int32 [the plan's blocks + padding rows]: block 0 for each padding row
+    block_offsets: np.ndarray  # int32 [bucket + 1]
     seq_lens: np.ndarray  # int32 [bucket], 1 on padding rows
     query_start_loc: np.ndarray  # int32 [bucket + 1], one row each
 
@@ -60,30 +63,38 @@ class StagedDecode:
 def fits(plan: StepPlan, buckets: Buckets, width: int) -> int | None:
     """The bucket a plan's step replays in, or None when it must run eagerly."""
     n = plan.num_seqs
-    if n == 0 or plan.num_tokens != n or plan.block_tables.shape[1] > width:
+    if n == 0 or plan.num_tokens != n or plan.block_tables.max_len > width:
         return None
     return buckets.fit(n)
 
 
 def stage(plan: StepPlan, bucket: int, width: int, block_size: int) -> StagedDecode:
-    """The plan's decode step padded to `bucket` rows; its tables stay the plan's width (at
-    least one column: padding rows attend to block 0), which the graphs' `width` bounds."""
+    """The plan's decode step padded to `bucket` rows: each row's blocks up to its token's
+    (rows the plan gives more are cut), then one block (0) for each padding row. No row may
+    be longer than the graphs' `width`."""
     n = plan.num_seqs
-    w = plan.block_tables.shape[1]
-    if w > width:
-        raise ValueError(f"block_tables: {w} columns, more than the graphs' {width}")
+    bt = plan.block_tables
+    if bt.max_len > width:
+        raise ValueError(f"block_tables: a row of {bt.max_len} blocks, more than the graphs' {width}")
     positions = plan.context_lens.astype(np.int64)  # each sequence's one token sits there
-    tables = np.zeros((bucket, max(w, 1)), np.int32)
-    tables[:n, :w] = np.maximum(plan.block_tables, 0)
     slots = np.full(bucket, -1, np.int64)
-    slots[:n] = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots[:n] = bt.lookup(np.arange(n), positions // block_size) * block_size + positions % block_size
+    needed = positions // block_size + 1
+    used = bt if int(needed.sum()) == bt.ids.size else bt.take(np.arange(n), needed)  # rows hold >= needed
+    total = used.ids.size
+    block_ids = np.zeros(total + bucket - n, np.int32)
+    block_ids[:total] = used.ids
+    block_offsets = np.empty(bucket + 1, np.int32)
+    block_offsets[: n + 1] = used.offsets
+    block_offsets[n + 1 :] = total + np.arange(1, bucket - n + 1)
     ids = np.zeros(bucket, np.int64)
     ids[:n] = plan.input_ids
     pos = np.zeros(bucket, np.int64)
     pos[:n] = positions
     seq_lens = np.ones(bucket, np.int32)
     seq_lens[:n] = plan.context_lens + 1
-    return StagedDecode(bucket, n, ids, pos, slots, tables, seq_lens, np.arange(bucket + 1, dtype=np.int32))
+    starts = np.arange(bucket + 1, dtype=np.int32)
+    return StagedDecode(bucket, n, ids, pos, slots, block_ids, block_offsets, seq_lens, starts)
 
 
 class DecodeGraphs:
@@ -105,18 +116,23 @@ class DecodeGraphs:
         self._ids = torch.zeros(b, dtype=torch.int64, device=device)
         self._positions = torch.zeros(b, dtype=torch.int64, device=device)
         self._slots = torch.full((b,), -1, dtype=torch.int64, device=device)
-        self._tables = torch.zeros((b, width), dtype=torch.int32, device=device)
+        # Until a step is uploaded, each row is one block, 0: what capture runs on.
+        self._block_ids = torch.zeros(b * width, dtype=torch.int32, device=device)
+        self._block_offsets = torch.arange(b + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.ones(b, dtype=torch.int32, device=device)
         self._starts = torch.arange(b + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._keep: list[Any] = []
         # One slot per input: each is rewritten once a step, after its last upload has landed.
-        self._staging = PinnedRing(slots=5)
+        self._staging = PinnedRing(slots=6)
 
     def _meta(self, bucket: int) -> Any:
         return self._make_meta(
             slot_mapping=self._slots[:bucket],
-            block_tables=self._tables[:bucket],
+            # Every bucket reads the whole id buffer: a step's rows may sit anywhere in it.
+            block_ids=self._block_ids,
+            block_offsets=self._block_offsets[: bucket + 1],
+            max_blocks=self.width,
             seq_lens=self._seq_lens[:bucket],
             query_start_loc=self._starts[: bucket + 1],
             decode_only=True,
@@ -152,14 +168,15 @@ class DecodeGraphs:
         log.info("cuda_graphs_captured", buckets=len(self._graphs), largest=self.buckets.largest, width=self.width)
 
     def upload(self, staged: StagedDecode) -> None:
-        """Copy the staged step into the static buffers (queued), the tables into the columns
-        the plan has."""
-        b, w = staged.bucket, staged.block_tables.shape[1]
+        """Copy the staged step into the static buffers (queued): of the block ids only the
+        plan's."""
+        b, total = staged.bucket, staged.block_ids.shape[0]
         for buffer, values in (
             (self._ids[:b], staged.input_ids),
             (self._positions[:b], staged.positions),
             (self._slots[:b], staged.slot_mapping),
-            (self._tables[:b, :w], staged.block_tables),
+            (self._block_ids[:total], staged.block_ids),
+            (self._block_offsets[: b + 1], staged.block_offsets),
             (self._seq_lens[:b], staged.seq_lens),
         ):
             self._staging.upload(values, self.device, out=buffer)

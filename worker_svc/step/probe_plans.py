@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from common.block_tables import BlockTables
 from common.plan import SamplingBatch, StepPlan
 from worker_svc.lora.lora_slots import TARGETS, LoraSlots
 
@@ -34,11 +35,9 @@ def heaviest_step(tokens: int, max_num_seqs: int, block_size: int, vocab_size: i
     query_lens = np.ones(n, np.int32)
     query_lens[0] = tokens - (n - 1)
     blocks_of = -(-query_lens // block_size)
-    width = int(blocks_of.max())
-    tables = np.full((n, width), -1, np.int32)
-    first = np.concatenate([[0], np.cumsum(blocks_of)[:-1]])
-    for i in range(n):
-        tables[i, : blocks_of[i]] = np.arange(first[i], first[i] + blocks_of[i])
+    # Row after row over blocks 0, 1, 2, ...: every row its own blocks.
+    offsets = np.concatenate([[0], np.cumsum(blocks_of)]).astype(np.int32)
+    tables = BlockTables(offsets, np.arange(offsets[-1], dtype=np.int32))
     rng = np.random.default_rng(0)
     input_ids = rng.integers(0, vocab_size, tokens, dtype=np.int32)
     # Each row's history is its prompt (the penalties' seen/count tensors are [rows, vocab]
@@ -85,7 +84,7 @@ def decode_step(block_size: int, vocab_size: int, num_seqs: int = 1, width: int 
     context = min(block_size + block_size // 2, width * block_size - 1)
     tables = np.full((num_seqs, width), -1, np.int32)
     tables[:, : min(width, 2)] = np.arange(min(width, 2), dtype=np.int32)
-    return _greedy(tables, np.ones(num_seqs, np.int32), context, vocab_size)
+    return _greedy(BlockTables.whole_rows(tables), np.ones(num_seqs, np.int32), context, vocab_size)
 
 
 def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int, num_blocks: int) -> StepPlan:
@@ -95,7 +94,7 @@ def widest_decode_step(rows: int, context: int, block_size: int, vocab_size: int
     depends on the table widths, not on which blocks they name."""
     width = -(-(context + 1) // block_size)
     tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
-    return _greedy(tables, np.ones(rows, np.int32), context, vocab_size)
+    return _greedy(BlockTables.whole_rows(tables), np.ones(rows, np.int32), context, vocab_size)
 
 
 def prompt_rows(
@@ -110,7 +109,7 @@ def prompt_rows(
     query_lens[: tokens % rows] += 1
     width = -(-int(query_lens.max()) // block_size)
     tables = (np.arange(rows * width, dtype=np.int32) % num_blocks).reshape(rows, width)
-    return _greedy(tables, query_lens, 0, vocab_size)
+    return _greedy(BlockTables.whole_rows(tables), query_lens, 0, vocab_size)
 
 
 def with_open_masks(plan: StepPlan, vocab_size: int) -> StepPlan:
@@ -150,10 +149,10 @@ def zero_adapter(lora: LoraSlots) -> Iterator[int]:
         lora.begin_step(None)
 
 
-def _greedy(tables: np.ndarray, query_lens: np.ndarray, context: int, vocab_size: int) -> StepPlan:
+def _greedy(tables: BlockTables, query_lens: np.ndarray, context: int, vocab_size: int) -> StepPlan:
     """Each row of `tables` feeding its `query_lens` tokens after `context` cached ones, its
     last one sampled greedily."""
-    n = tables.shape[0]
+    n = tables.num_rows
     return StepPlan(
         step_id=0,
         seq_ids=np.arange(n, dtype=np.int64),

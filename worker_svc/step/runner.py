@@ -54,9 +54,9 @@ class ModelRunner(RunnerSetup):
         if int(plan.context_lens.min()) < 0 or int(ends.max()) > self.max_model_len:
             raise PlanError(f"positions outside the model's context of {self.max_model_len}")
         needed = -(-ends // bs)  # blocks each sequence uses after this step
-        if int(needed.max()) > bt.shape[1]:
-            raise PlanError("block tables too narrow for the sequences' lengths")
-        used = bt[np.arange(bt.shape[1])[None, :] < needed[:, None]]  # every entry a token lives in
+        if bool((bt.lens < needed).any()):
+            raise PlanError("block tables too short for the sequences' lengths")
+        used = bt.take(np.arange(plan.num_seqs), needed).ids  # every entry a token lives in
         if used.size and (int(used.min()) < 0 or int(used.max()) >= self.kv.num_blocks):
             raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
         vocab = self.shape.vocab_size
@@ -124,7 +124,7 @@ class ModelRunner(RunnerSetup):
         # token t of sequence i sits at position c[i] + (t - starts[i])
         seq_of_token = np.repeat(np.arange(n), q)
         positions = np.arange(plan.num_tokens) + np.repeat(c - starts[:-1], q)
-        slots = plan.block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = plan.block_tables.lookup(seq_of_token, positions // bs) * bs + positions % bs
         input_ids = plan.input_ids.astype(np.int64)
         adapters = np.repeat(plan.lora_slots, q) if plan.lora_slots.size else None  # a slot per token
         if self._gemm_buckets is not None:
