@@ -130,6 +130,35 @@ def test_decodes_and_a_new_prefill_share_a_step_running_first() -> None:
     assert b.output_token_ids == expected_output(12, 2)
 
 
+def test_a_prompt_prefilled_in_chunks_never_holds_back_a_decode() -> None:
+    """A long prompt ahead of running decodes in line (a higher priority) takes only what
+    budget they leave: every step of its prefill still carries a token of each decode."""
+    s = make_scheduler(max_num_batched_tokens=8, num_blocks=256)
+    a, b = make_seq(0, prompt_len=3, max_tokens=30), make_seq(1, prompt_len=3, max_tokens=30)
+    add(s, a)
+    add(s, b)
+    p = s.schedule()
+    assert p is not None
+    s.update(p, fake_execute(p))
+    long = make_seq(2, prompt_len=60, max_tokens=2)
+    add(s, long, priority=-1)
+    assert s.queues.waiting[0].seqs[0] is long
+    chunked = 0
+    while long.num_computed_tokens < 60:
+        plan = s.schedule()
+        assert plan is not None
+        ids, q = plan.seq_ids.tolist(), plan.query_lens.tolist()
+        assert ids[:2] == [0, 1] and q[:2] == [1, 1], (ids, q)  # both decodes, first
+        if 2 in ids:
+            chunked += 1
+            assert q[ids.index(2)] <= 6
+        s.update(plan, fake_execute(plan))
+        s.block_manager.check_integrity()
+    assert chunked >= 10
+    drive(s)
+    assert a.output_token_ids == expected_output(3, 30) and long.output_token_ids == expected_output(60, 2)
+
+
 def test_max_num_seqs_limits_admission() -> None:
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):

@@ -2,9 +2,12 @@
 
 Each step, under a token budget:
 
-  1. Running groups in line order feed what they lack (a prompt chunk, or 1 token per
-     sequence). When blocks run short, the group last in line is preempted (swap or
-     recompute, see `preemption.py`) until the current group fits, or it is the victim itself.
+  1. Running groups in line order feed what they lack: first every decode (1 token per
+     sequence), then the prompt chunks, so a long prompt prefilled over many steps never
+     holds back a decode. When blocks run short, the group last in line is preempted (swap
+     or recompute, see `preemption.py`) until the current group fits, or it is the victim
+     itself; a group already in the step is never the victim (a chunk short of blocks then
+     waits).
   2. Unless step 1 preempted something, the heads of swapped and waiting are resumed or
      admitted in line order (so a swapped group comes back before any later arrival), as long
      as the budget, `max_num_seqs`, the free blocks above a watermark and the LoRA slots allow
@@ -58,48 +61,58 @@ class StepPlanner:
         query_lens: list[int] = []
         self._preempt_for_priority(budget, step_id, busy)
         preempted = False
-        i = 0
         running = self.queues.running
         tables, ref, bs = bm.tables, bm.device.ref, bm.block_size
-        while i < len(running) and budget > 0:
-            group = running[i]
-            if busy and group.group_id in busy:
+        # Decodes first, prompt chunks after them: a long prompt being prefilled chunk by chunk
+        # takes what budget the running decodes leave, never their tokens (they would stall
+        # for every chunk of it otherwise).
+        chunks: list[SequenceGroup] = []
+        taken: set[int] = set()
+        for phase in (running, chunks):
+            i = 0
+            while i < len(phase) and budget > 0:
+                group = phase[i]
                 i += 1
-                continue
-            if max_rows is not None and len(seqs) >= max_rows:
-                break
-            if group.width == 1:
-                # Fast path, most rows of most steps: a decode whose token lands in a block the
-                # sequence already owns alone needs no allocation and no check (inlined: this
-                # runs for every decoding sequence of every step).
-                seq = group.seqs[0]
-                c = seq.num_computed_tokens
-                if len(seq.token_ids) + seq.pending - c == 1:
-                    table = tables[seq.seq_id]
-                    k = c // bs
-                    if k < len(table) and ref[table[k]] == 1:
-                        seqs.append(seq)
-                        query_lens.append(1)
-                        budget -= 1
-                        i += 1
-                        continue
-            rows = self._rows(group, budget)
-            need = self._blocks_needed(rows)
-            while need > bm.num_free_blocks:
-                victim = running[-1]
-                if victim.group_id in busy:
+                if busy and group.group_id in busy:
+                    continue
+                if max_rows is not None and len(seqs) >= max_rows:
                     break
-                self.queues.preempt(victim, step_id)
-                preempted = True
-                if victim is group:
+                if group.width == 1:
+                    # Fast path, most rows of most steps: a decode whose token lands in a block the
+                    # sequence already owns alone needs no allocation and no check (inlined: this
+                    # runs for every decoding sequence of every step).
+                    seq = group.seqs[0]
+                    c = seq.num_computed_tokens
+                    if len(seq.token_ids) + seq.pending - c == 1:
+                        table = tables[seq.seq_id]
+                        k = c // bs
+                        if k < len(table) and ref[table[k]] == 1:
+                            seqs.append(seq)
+                            query_lens.append(1)
+                            budget -= 1
+                            taken.add(group.group_id)
+                            continue
+                if phase is running and _chunked(group):
+                    chunks.append(group)
+                    continue
+                if group.status is not SequenceStatus.RUNNING:
+                    continue  # preempted by a decode before its turn
+                rows = self._rows(group, budget)
+                need = self._blocks_needed(rows)
+                while need > bm.num_free_blocks:
+                    victim = running[-1]
+                    if victim.group_id in busy or victim.group_id in taken:
+                        break
+                    self.queues.preempt(victim, step_id)
+                    preempted = True
+                    if victim is group:
+                        break
+                if group.status is not SequenceStatus.RUNNING:
                     break
-            if group.status is not SequenceStatus.RUNNING:
-                break
-            if need > bm.num_free_blocks:
-                i += 1  # its victim's plan is in flight: it waits for a plan without that one
-                continue
-            budget -= self._take(rows, seqs, query_lens)
-            i += 1
+                if need > bm.num_free_blocks:
+                    continue  # its victim is in a plan in flight or this one: a later plan takes it
+                budget -= self._take(rows, seqs, query_lens)
+                taken.add(group.group_id)
         # A step that had to preempt admits nothing, unless nothing else would run at all.
         if not preempted or not seqs:
             self._admit(budget, seqs, query_lens, step_id)
@@ -257,3 +270,9 @@ class StepPlanner:
             rows = self._rows(group, budget)
             if self._blocks_needed(rows) <= bm.num_free_blocks:
                 budget -= self._take(rows, seqs, query_lens)
+
+
+def _chunked(group: SequenceGroup) -> bool:
+    """Whether a sequence of the group feeds more than one token (a prompt, its next chunk, or
+    a recompute's catch-up) rather than decoding."""
+    return any(s.num_tokens + s.pending - s.num_computed_tokens > 1 for s in group.live())
