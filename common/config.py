@@ -209,6 +209,7 @@ class WorkerConfig:
     # max_num_seqs (worker_svc/step/cuda_graphs.py), unless enforce_eager.
     enforce_eager: bool = False
     max_num_seqs: int = 256
+    max_model_len: int = 0  # 0: as far as the model's positions go (common.model_spec.context_limit)
     # Tensor parallelism: this process is `rank` of `world_size`, meeting the others at
     # `dist_init_method` (e.g. tcp://127.0.0.1:29500); collectives give up after dist_timeout
     # seconds, so a dead or stalled rank ends the group instead of hanging it.
@@ -238,7 +239,6 @@ class WorkerConfig:
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
-        _require(self.world_size >= 1, "world_size must be at least 1")
         _require(0 <= self.rank < self.world_size, f"rank must lie in [0, {self.world_size}), got {self.rank}")
         _require(self.world_size == 1 or bool(self.dist_init_method), "a group of ranks needs dist_init_method")
         _require(self.dist_timeout > 0, "dist_timeout must be positive")
@@ -247,7 +247,7 @@ class WorkerConfig:
             self.dist_backend in DIST_BACKENDS,
             f"dist_backend must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}",
         )
-        _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _require(self.max_num_seqs >= 1 and self.max_model_len >= 0, "max_num_seqs >= 1, max_model_len >= 0")
 
 
 def _require_file(path: str, what: str) -> None:

@@ -35,6 +35,37 @@ def _optional_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# Rope types whose config already states the extended length in max_position_embeddings.
+_STATED_LENGTH = ("default", "llama3", "longrope", "su", "mrope")
+
+
+def context_limit(max_position_embeddings: int, rope: Any) -> int:
+    """The longest context the model's positions allow. A linear or yarn scaling stretches the
+    positions it was trained on by its factor (from `original_max_position_embeddings` where the
+    config gives it), which configs often leave out of max_position_embeddings; llama3 and
+    longrope configs state the extended length there already (vLLM reads them the same way)."""
+    params = dict(rope or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in _STATED_LENGTH or not isinstance(params.get("factor"), (int, float)):
+        return max_position_embeddings
+    base = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    return max(max_position_embeddings, int(base * float(params["factor"])))
+
+
+def served_context(config: Any, asked: int) -> int:
+    """The context a worker serves for a transformers config: `asked` (--max-model-len; 0 = all
+    the positions allow), refused past that limit."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    limit = context_limit(int(text.max_position_embeddings), rope)
+    if asked > limit:
+        raise ValueError(
+            f"--max-model-len {asked} is beyond this model's {limit} positions (max_position_embeddings, stretched "
+            "by its rope scaling); lower it, or serve a config with more positions or a rope scaling such as yarn"
+        )
+    return asked or limit
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     path: str
@@ -74,7 +105,10 @@ class ModelSpec:
             path=str(root),
             name=root.name,
             vocab_size=int(text_config["vocab_size"]),
-            max_model_len=int(text_config.get("max_position_embeddings", 2048)),
+            max_model_len=context_limit(
+                int(text_config.get("max_position_embeddings", 2048)),
+                text_config.get("rope_parameters") or text_config.get("rope_scaling"),
+            ),
             eos_token_ids=eos,
             architectures=tuple(str(a) for a in config.get("architectures") or ()),
             model_type=str(text_config.get("model_type") or config.get("model_type") or ""),

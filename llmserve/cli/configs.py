@@ -224,6 +224,7 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         profile_steps=a.profile_steps,
         enforce_eager=a.enforce_eager,
         max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len,
         # Only a rank process started by `worker --tp N` has these.
         rank=getattr(a, "rank", None) or 0,
         world_size=getattr(a, "world_size", None) or 1,

@@ -198,6 +198,13 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = bfloat16 where fast, else float32")
     p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="longest context served, prompt and output (default 0: as far as the model's positions go, "
+        "max_position_embeddings stretched by a linear or yarn rope scaling)",
+    )
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (overrides profiling)")
     p.add_argument(
         "--kv-cache-gb",

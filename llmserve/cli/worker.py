@@ -42,6 +42,8 @@ def worker_args(a: argparse.Namespace, model: str) -> list[str]:
         a.device,
         "--block-size",
         str(a.block_size),
+        "--max-model-len",
+        str(a.max_model_len),
         "--attention-backend",
         a.attention_backend,
         "--max-num-batched-tokens",

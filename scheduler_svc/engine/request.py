@@ -279,13 +279,15 @@ def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> Non
     if num_prompt_tokens >= limits.max_model_len:
         raise InvalidArgument(
             "prompt",
-            f"{num_prompt_tokens} prompt tokens leave no room in the model's context of {limits.max_model_len} tokens",
+            f"{num_prompt_tokens} prompt tokens leave no room in the model's context of {limits.max_model_len} "
+            "tokens; shorten the prompt, or raise --max-model-len up to what the model's positions allow",
         )
     if max_tokens and num_prompt_tokens + max_tokens > limits.max_model_len:
         raise InvalidArgument(
             "stopping.max_tokens",
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
-            f"exceeds the model's context of {limits.max_model_len} tokens",
+            f"exceeds the model's context of {limits.max_model_len} tokens; lower max_tokens, or raise "
+            "--max-model-len up to what the model's positions allow",
         )
 
 

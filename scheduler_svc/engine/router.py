@@ -64,7 +64,8 @@ class Router:
             raise ResourceExhausted(
                 f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "
                 f"{total} tokens), more than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size}); "
-                f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width"
+                f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width, or give the workers a "
+                f"bigger KV pool (--kv-cache-gb, --gpu-memory-utilization or --num-gpu-blocks)"
             )
         target = self.pick([r for r in fit if r.num_queued < c.max_queue_len], token_ids, cache_salt)
         if target is None:

@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from common.config import WorkerConfig
+from common.model_spec import served_context
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.fused_moe import BLOCK_M, moe_block_m_tokens
@@ -95,8 +96,15 @@ class RunnerSetup(ABC):
                 f"--max-num-batched-tokens {config.max_num_batched_tokens} is above {self.step_token_limit}, the most "
                 f"tokens one step may carry through this model's Triton kernels (their int32 indices would wrap)"
             )
+        self.max_model_len = served_context(hf_config, config.max_model_len)
         self.model = load_model(
-            config.model, self.dtype, self.device, attention_backend=self.attention_backend, group=group, stage=stage
+            config.model,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,  # the rotary tables cover every position served
+            attention_backend=self.attention_backend,
+            group=group,
+            stage=stage,
         )
         self.stage = self.model.stage
         if self.stage.pipelined and config.lora is not None:
@@ -121,7 +129,6 @@ class RunnerSetup(ABC):
         # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
         self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
         self.shape = self.model.shape
-        self.max_model_len = self.shape.max_position_embeddings
         self.block_size = config.cache.block_size
         self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)
         self.profiled_peak_bytes: int | None = None  # the heaviest step's, when CUDA memory was profiled
