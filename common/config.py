@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.request_limits import RequestLimits
+from common.speculative_config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
@@ -50,44 +53,6 @@ class CacheConfig:
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must lie in (0, 1]")
         _require(self.swap_space_gb is None or self.swap_space_gb >= 0, "swap_space_gb must not be negative")
         _require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative")
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Bounds no request can break (INVALID_ARGUMENT naming the limit beyond them), so that one
-    caller's input cannot stall the event loop or fill memory for everyone."""
-
-    # Prompt text (or all chat messages together), in UTF-8 bytes, checked before tokenizing.
-    max_prompt_bytes: int = 1 << 20
-    # Tokenize's text in bytes, Detokenize's token count.
-    max_tokenize_bytes: int = 1 << 20
-    max_detokenize_tokens: int = 1 << 18
-    # Each stop string's length in characters (their count is SchedulerConfig.max_stop_strings).
-    max_stop_string_length: int = 256
-    max_stop_token_ids: int = 64
-    max_logit_bias: int = 1024
-    # Structured outputs: the schema, regex or grammar text in bytes, a JSON schema's nesting
-    # depth, the seconds one compile may take (then RESOURCE_EXHAUSTED), and the compiled
-    # grammars kept for reuse, in bytes.
-    max_grammar_bytes: int = 64 << 10
-    max_grammar_depth: int = 32
-    grammar_compile_timeout: float = 10.0
-    grammar_cache_bytes: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_prompt_bytes",
-            "max_tokenize_bytes",
-            "max_detokenize_tokens",
-            "max_stop_string_length",
-            "max_grammar_bytes",
-            "max_grammar_depth",
-            "grammar_cache_bytes",
-        ):
-            _require(getattr(self, name) >= 1, f"{name} must be at least 1")
-        _require(self.max_stop_token_ids >= 0, "max_stop_token_ids must not be negative")
-        _require(self.max_logit_bias >= 0, "max_logit_bias must not be negative")
-        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be positive")
 
 
 @dataclass(frozen=True)
@@ -136,6 +101,7 @@ class SchedulerConfig:
     lora_root: str | None = None
     allow_runtime_lora: bool = False
     limits: RequestLimits = RequestLimits()
+    speculative: SpeculativeConfig | None = None  # None: no drafts
 
     def __post_init__(self) -> None:
         _require(

@@ -124,6 +124,10 @@ class StepPlan:
     # steps (weights, like the model's) until a later load replaces it.
     adapter_loads: tuple[AdapterLoad, ...] = ()
     lora_slots: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Speculative decoding: the last draft_lens[i] tokens fed for sequence i are drafts to
+    # verify (empty = none anywhere). Its logits at the d + 1 last positions decide how many
+    # the model accepts (StepResult.num_accepted); the sampled token follows the accepted.
+    draft_lens: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -196,6 +200,13 @@ class StepPlan:
             raise ValueError("plan.lora_slots must have one entry per sequence, or none")
         if self.lora_slots.size and int(self.lora_slots.min()) < -1:
             raise ValueError("plan.lora_slots holds a slot below -1")
+        drafts = self.draft_lens
+        if drafts.shape not in ((n,), (0,)):
+            raise ValueError("plan.draft_lens must have one entry per sequence, or none")
+        if drafts.size and (int(drafts.min()) < 0 or bool((drafts >= self.query_lens).any())):
+            raise ValueError("plan.draft_lens must lie in [0, query_lens)")
+        if drafts.size and not self.sample[drafts > 0].all():
+            raise ValueError("plan.draft_lens: a sequence with drafts must sample")
         loaded = [load.slot for load in self.adapter_loads]
         if any(slot < 0 for slot in loaded) or len(set(loaded)) != len(loaded):
             raise ValueError("plan.adapter_loads must name distinct slots >= 0")
@@ -221,6 +232,11 @@ class StepResult:
     prompt_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
     prompt_top_token_ids: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     prompt_top_logprobs: F32 = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Speculative decoding, when the plan has draft_lens: [num_seqs] drafts accepted, in order
+    # (sampled_token_ids then holds the token after them), and float32 [sum(draft_lens)] the
+    # log-probability of each draft token under the model's raw distribution at its position.
+    num_accepted: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    draft_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
     # Seconds of the step by part when the worker profiles its steps (worker_svc.step.step_profile);
     # empty otherwise.
     part_seconds: dict[str, float] = field(default_factory=dict)

@@ -61,6 +61,7 @@ def encode_plan(plan: StepPlan) -> worker_pb.StepPlan:
             worker_pb.AdapterLoad(slot=a.slot, name=a.name, path=a.path, version=a.version) for a in plan.adapter_loads
         ],
         lora_slots=pack(plan.lora_slots, np.int32),
+        draft_lens=pack(plan.draft_lens, np.int32),
     )
     if s.token_masks.size:
         _encode_masks(msg.sampling, s.token_masks)
@@ -128,6 +129,7 @@ def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size
         copy=_pairs(msg.copy, "copy"),
         adapter_loads=tuple(AdapterLoad(a.slot, a.name, a.path, a.version) for a in msg.adapter_loads),
         lora_slots=_optional(msg.lora_slots, np.int32, "lora_slots", n),
+        draft_lens=_optional(msg.draft_lens, np.int32, "draft_lens", n),
     )
 
 
@@ -188,6 +190,8 @@ def encode_result(result: StepResult) -> worker_pb.StepResult:
         prompt_top_logprobs=pack(result.prompt_top_logprobs, np.float32),
         prompt_top_width=result.prompt_top_token_ids.shape[1],
         part_seconds=result.part_seconds,
+        num_accepted=pack(result.num_accepted, np.int32),
+        draft_logprobs=pack(result.draft_logprobs, np.float32),
     )
 
 
@@ -202,6 +206,8 @@ def decode_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
         top_token_ids=unpack(msg.top_token_ids, np.int32, "top_token_ids", num_seqs * width).reshape(num_seqs, width),
         top_logprobs=unpack(msg.top_logprobs, np.float32, "top_logprobs", num_seqs * width).reshape(num_seqs, width),
         part_seconds=dict(msg.part_seconds),
+        num_accepted=_optional(msg.num_accepted, np.int32, "num_accepted", num_seqs),
+        draft_logprobs=unpack(msg.draft_logprobs, np.float32, "draft_logprobs"),
         **_decode_prompt_logprobs(msg, num_seqs),
     )
 
@@ -224,6 +230,7 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
     if result.top_token_ids.shape[1] != width:
         raise ValueError(f"top_width: {result.top_token_ids.shape[1]} alternatives a row, the plan asked for {width}")
     _check_ids("top_token_ids", result.top_token_ids, vocab_size)
+    _check_drafts(plan, result)
     wanted = s.prompt_logprobs
     if not (wanted.size and plan.num_seqs and int(wanted.max()) >= 0):
         if result.prompt_offsets.size:
@@ -241,6 +248,19 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
             f"prompt_top_width: {result.prompt_top_token_ids.shape[1]} alternatives, the plan asked for {int(wanted.max())}"
         )
     _check_ids("prompt_top_token_ids", result.prompt_top_token_ids, vocab_size)
+
+
+def _check_drafts(plan: StepPlan, result: StepResult) -> None:
+    drafts = plan.draft_lens
+    if not (drafts.size and int(drafts.max()) > 0):
+        if result.num_accepted.size or result.draft_logprobs.size:
+            raise ValueError("num_accepted: draft tokens verified that the plan did not send")
+        return
+    accepted = result.num_accepted
+    if accepted.shape != drafts.shape or int(accepted.min()) < 0 or bool((accepted > drafts).any()):
+        raise ValueError("num_accepted: not in [0, draft_lens] for every sequence")
+    if result.draft_logprobs.shape != (int(drafts.sum()),):
+        raise ValueError("draft_logprobs: not one per draft token of the plan")
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:

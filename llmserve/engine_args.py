@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,8 @@ def engine_args(model: str | None, log_level: str, options: dict[str, Any]) -> E
             items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else [str(v) for v in value]
             if items:
                 argv += [flag, *items]
+        elif isinstance(value, dict):  # speculative_config, vLLM's dict
+            argv += [flag, json.dumps(value)]
         elif value is not None:  # None keeps the default
             argv += [flag, str(value)]
     flags = _parse(argv, known)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.hostile_input import EXPECTED, NAMES, measure
-from common.config import RequestLimits
+from common.request_limits import RequestLimits
 from tests.conftest import WorkerProcess, start_scheduler, start_worker, stop_scheduler
 
 STREAMS = 16

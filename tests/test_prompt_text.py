@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument
+from common.request_limits import RequestLimits
 from scheduler_svc.text.chat_template import ChatTemplate
 from scheduler_svc.text.prompt_text import prompt_tokens
 from scheduler_svc.text.tokenizer import Tokenizer

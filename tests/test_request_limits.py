@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import RequestLimits, SchedulerConfig
+from common.config import SchedulerConfig
 from common.errors import InvalidArgument, ResourceExhausted
 from common.model_spec import ModelSpec
+from common.request_limits import RequestLimits
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.request import GenerationRequest, Limits, check_fields
 from scheduler_svc.lora.adapter_registry import MAX_NAME_LENGTH

@@ -27,6 +27,7 @@ from common.config import (
 )
 from common.grpc.ports import check_free
 from common.worker_info import MAX_NAME_LENGTH
+from llmserve.cli.speculative_flags import speculative_config
 from llmserve.gateway import GatewayConfig, KubernetesDiscovery, dial_address, parse_alias
 
 
@@ -178,6 +179,7 @@ def scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
         max_logprobs=a.max_logprobs,
         max_n=a.max_n,
         plan_ahead=a.plan_ahead,
+        speculative=speculative_config(a),
         pipeline_microbatches=a.pp_microbatches,
         json_max_whitespace=a.json_max_whitespace,
         # `up` gives its worker's block size; a lone scheduler has its own flag (0 = adopt).

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ATTENTION_BACKENDS, DIST_BACKENDS, DTYPES, PREEMPTION_MODES
+from llmserve.cli.speculative_flags import add_speculative_flags
 from llmserve.gateway import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 
 
@@ -103,6 +104,7 @@ def add_worker_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    add_speculative_flags(p)
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument(

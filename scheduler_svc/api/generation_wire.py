@@ -82,6 +82,8 @@ def generate_response(out: RequestOutput) -> gen_pb.GenerateResponse:
             num_preemptions=out.stats.num_preemptions,
             num_swaps=out.stats.num_swaps,
             swapped_bytes=out.stats.swapped_bytes,
+            spec_draft_tokens=out.stats.spec_draft_tokens,
+            spec_accepted_tokens=out.stats.spec_accepted_tokens,
         ),
         logprobs=_token_logprobs(out.logprobs),
         prompt_logprobs=_token_logprobs(out.prompt_logprobs),

@@ -81,6 +81,18 @@ class SchedulerMetrics:
             "llmserve:adapter_slot_loads", "LoRA adapters put into a worker group's device slot."
         )
 
+        # Speculative decoding, per drafting method: drafts sent for verification, drafts kept, and
+        # the kept share since start.
+        by_method = ["model_name", "method"]
+        self._spec = {
+            name: kind(f"llmserve:spec_decode_{name}", doc, by_method, registry=r)
+            for kind, name, doc in (
+                (Counter, "draft_tokens", "Draft tokens sent to the workers for verification."),
+                (Counter, "accepted_tokens", "Draft tokens the model accepted."),
+                (Gauge, "acceptance_rate", "Accepted draft tokens over drafted ones, since start (0-1)."),
+            )
+        }
+
         # Per worker group (data-parallel replica), labelled with its name.
         by_group = ["model_name", "group"]
         self._group_gauges = {
@@ -133,6 +145,13 @@ class SchedulerMetrics:
                 gauge.remove(self.model_name, name)
             except KeyError:
                 pass
+
+    def speculation(self, method: str, drafted: int, accepted: int, rate: float) -> None:
+        """Drafted and accepted tokens since the last call, and the acceptance rate so far."""
+        labels = (self.model_name, method)
+        self._spec["draft_tokens"].labels(*labels).inc(drafted)
+        self._spec["accepted_tokens"].labels(*labels).inc(accepted)
+        self._spec["acceptance_rate"].labels(*labels).set(rate)  # type: ignore[union-attr]
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

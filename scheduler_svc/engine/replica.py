@@ -57,6 +57,7 @@ class Replica:
     # Scheduler counters already published to Prometheus: (preemptions, prefix queries, hits,
     # steps planned ahead, adapter slot loads).
     reported: tuple[int, ...] = (0, 0, 0, 0, 0)
+    reported_drafts: tuple[int, int] = (0, 0)  # speculative decoding: (drafted, accepted) published
 
     @property
     def ready(self) -> bool:

@@ -11,9 +11,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from common.config import RequestLimits, SchedulerConfig
+from common.config import SchedulerConfig
 from common.errors import InvalidArgument, PermissionDenied, Unimplemented
 from common.model_spec import ModelSpec
+from common.request_limits import RequestLimits
 from scheduler_svc.lora.adapter_registry import MAX_NAME_LENGTH
 from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, StoppingParams
 from scheduler_svc.text.input_limits import check_count, check_messages_bytes, check_text_bytes, over_limit
@@ -67,6 +68,8 @@ class RequestStats:
     num_preemptions: int = 0
     num_swaps: int = 0
     swapped_bytes: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -61,11 +61,15 @@ class RequestStream:
             num_preemptions=g.num_preemptions,
             num_swaps=g.num_swaps,
             swapped_bytes=g.swapped_blocks * self.block_bytes,
+            spec_draft_tokens=sum(s.draft_state.drafted for s in g.seqs if s.draft_state is not None),
+            spec_accepted_tokens=sum(s.draft_state.accepted for s in g.seqs if s.draft_state is not None),
         )
 
     def on_token(self, event: TokenEvent, scheduler: Scheduler) -> None:
         """Detokenize one event and send what the caller may see."""
         seq, reason = event.seq, event.finish_reason
+        if seq.seq_id in self._matched:
+            return  # a stop string ended it at an earlier token of this step (kept drafts)
         text_stream = self._texts.get(seq.seq_id)
         stopping = seq.stopping
         if text_stream is None:
@@ -87,6 +91,8 @@ class RequestStream:
             # Also when this token reached max_tokens: the stop string is why the text ends.
             if reason is None:
                 scheduler.finish_seq(seq.seq_id, FinishReason.STOP_SEQUENCE)
+                if 0 <= event.length < len(seq.token_ids):
+                    del seq.token_ids[event.length :]  # the step's later tokens come after the stop
             reason = seq.finish_reason = FinishReason.STOP_SEQUENCE
         elif reason is not None:
             text += text_stream.flush()

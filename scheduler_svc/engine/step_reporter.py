@@ -80,6 +80,8 @@ class StepReporter:
             preemptions=stats.num_preemptions,
             swaps=stats.num_swaps,
             swapped_bytes=stats.swapped_bytes,
+            spec_drafted=stats.spec_draft_tokens,
+            spec_accepted=stats.spec_accepted_tokens,
             **stream.trace,
         )
 
@@ -152,6 +154,18 @@ class StepReporter:
                 if new > old:
                     counter.inc(new - old)
             replica.reported = now
+            drafter = sched.drafter
+            if drafter is not None and drafter.drafted_total < replica.reported_drafts[0]:
+                replica.reported_drafts = (0, 0)  # a new scheduler for a reconnected group counts from 0
+            if drafter is not None and drafter.drafted_total > replica.reported_drafts[0]:
+                drafted, accepted = replica.reported_drafts
+                m.speculation(
+                    drafter.config.method,
+                    drafter.drafted_total - drafted,
+                    drafter.accepted_total - accepted,
+                    drafter.accepted_total / drafter.drafted_total,
+                )
+                replica.reported_drafts = (drafter.drafted_total, drafter.accepted_total)
         log.debug(
             "step",
             step_id=step_id,

@@ -224,6 +224,16 @@ class BlockManager:
             table.extend(self.device.take() for _ in range(end - start))
             self.mirror.set_range(seq_id, start, table[start:])
 
+    def trim(self, seq_id: int, num_blocks: int) -> None:
+        """Give back the sequence's blocks past its first `num_blocks`: those a step took for
+        draft tokens the model rejected (taken fresh then, so no one else holds them)."""
+        table = self._tables.get(seq_id)
+        if table is None or len(table) <= num_blocks:
+            return
+        for block in reversed(table[num_blocks:]):
+            self.device.decref(block)
+        del table[num_blocks:]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copied on the first write)."""
         if child_id in self._tables or child_id in self._host_tables:

@@ -23,9 +23,14 @@ from scheduler_svc.text.grammar import fill_masks
 
 class PlanBuilder:
     def __init__(
-        self, bm: BlockManager, slots: AdapterSlots | None = None, groups: Mapping[int, SequenceGroup] | None = None
+        self,
+        bm: BlockManager,
+        slots: AdapterSlots | None = None,
+        groups: Mapping[int, SequenceGroup] | None = None,
+        speculative: bool = False,
     ) -> None:
         self.bm = bm
+        self.speculative = speculative  # rows may carry draft tokens (Sequence.draft)
         self.slots = slots if slots is not None else AdapterSlots(0)
         # The scheduler's group index (Queues.groups): a row's adapter and prompt scores are its group's.
         self.groups: Mapping[int, SequenceGroup] = groups if groups is not None else {}
@@ -73,13 +78,21 @@ class PlanBuilder:
         else:
             flat: list[int] = []
             for s, c, k in zip(seqs, computed, query_lens):
+                if s.draft:  # its last token, then the drafts to verify
+                    flat.extend(s.token_ids[c:])
+                    flat.extend(s.draft)
+                    continue
                 flat.extend(s.token_ids[c : c + k])
                 flat.extend([DEFERRED_INPUT] * (c + k - max(c, len(s.token_ids))))
             input_ids = np.array(flat, dtype=np.int32)
         context_lens = np.array(computed, dtype=np.int32)
         num_tokens = np.array([len(s.token_ids) + s.pending for s in seqs], dtype=np.int32)
         ends = context_lens + q
-        sample = (ends == num_tokens).astype(np.uint8)
+        draft_lens = np.array([len(s.draft) for s in seqs], dtype=np.int32) if self.speculative else _NONE_I32
+        if draft_lens.size and not draft_lens.any():
+            draft_lens = _NONE_I32
+        # A row's drafts sit past its tokens: it samples when they end where its tokens do.
+        sample = (ends == num_tokens + draft_lens if draft_lens.size else ends == num_tokens).astype(np.uint8)
         bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
         history = _history(seqs, [i for i in self._penalized if sample[i]], n)
         prompt_asked, prompt_next = _prompt_scoring(seqs, computed, query_lens, self._prompt_scored, self.groups)
@@ -120,6 +133,7 @@ class PlanBuilder:
             copy=copy,
             adapter_loads=self.slots.take_loads(),
             lora_slots=st["lora_slots"],
+            draft_lens=draft_lens,
         )
 
 

@@ -57,6 +57,7 @@ from common.plan import StepPlan, StepResult
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_slots import AdapterSlots
 from scheduler_svc.sched.beam_search import BeamSearch
+from scheduler_svc.sched.drafter import Drafter
 from scheduler_svc.sched.plan_builder import PlanBuilder
 from scheduler_svc.sched.preemption import PreemptionPolicy
 from scheduler_svc.sched.queues import Queues
@@ -75,6 +76,10 @@ def _default_micro_batches(stages: int, share_cores: bool) -> int:
     time, 109 with three plans and both ranks' thread teams fighting for the cores, 296 with a
     core each)."""
     return 1 if share_cores else stages + 1
+
+
+# Speculative decoding: at most this many plans in a row are planned ahead (which drafts nothing).
+_DRAFT_PROBE = 4
 
 
 @dataclass
@@ -125,10 +130,14 @@ class Scheduler:
         self._next_step_id = 0
         # At most max_in_flight: one running and one planned ahead, or one per micro-batch.
         self._in_flight: deque[_InFlight] = deque()
-        self._planner = StepPlanner(self.queues, config)
-        self._results = ResultApplier(self.queues, eos_token_ids)
-        self._builder = PlanBuilder(block_manager, self.queues.adapter_slots, self.queues.groups)
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self._planner = StepPlanner(self.queues, config, self.drafter)
+        self._results = ResultApplier(self.queues, eos_token_ids, self.drafter)
+        self._builder = PlanBuilder(
+            block_manager, self.queues.adapter_slots, self.queues.groups, speculative=self.drafter is not None
+        )
         self.num_planned_ahead = 0
+        self._ahead_streak = 0  # plans planned ahead in a row while drafting may pay
 
     # ---- queue changes (called by the engine loop between steps) ----
 
@@ -208,6 +217,7 @@ class Scheduler:
         for record in self._in_flight:
             for seq in record.seqs:
                 seq.pending = 0  # lost with the worker; computed again elsewhere
+                seq.draft = []
         self._in_flight.clear()
         self.block_manager.take_ops()
         return groups
@@ -276,6 +286,15 @@ class Scheduler:
             return False  # its samples' copies of the shared block could run the pool short
         if record.advanced:
             return self._planner.running_need() <= self.block_manager.num_free_blocks
+        if self.drafter is not None and len(queues.running) <= self.drafter.config.disable_by_batch_size:
+            # A sequence drafts only from known tokens, never past a token in flight. So a
+            # plan with drafts waits for its result (how many are kept decides where the next
+            # step starts), and one without plans ahead but lets every few steps wait, so that
+            # a sequence that starts to repeat itself gets its drafts.
+            self._ahead_streak += 1
+            if (record.plan.draft_lens.size and record.plan.draft_lens.any()) or self._ahead_streak >= _DRAFT_PROBE:
+                self._ahead_streak = 0
+                return False
         for seq, samples in zip(record.seqs, record.plan.sample.tolist()):
             if seq.is_finished:
                 continue

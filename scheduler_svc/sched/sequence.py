@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from scheduler_svc.sched.draft_state import DraftState
     from scheduler_svc.text.grammar import Grammar
 
 _U64 = (1 << 64) - 1
@@ -115,6 +116,11 @@ class Sequence:
     # A structured output's matcher, advanced with every token appended (None: unconstrained).
     # It lives here, not on a worker, so preemption and recovery elsewhere keep it.
     grammar: Grammar | None = field(default=None, repr=False)
+    # Speculative decoding (scheduler_svc/sched/drafter.py): the draft tokens the step being
+    # planned feeds after the last token (cleared when its result is applied), and the
+    # drafter's record of this sequence.
+    draft: list[int] = field(default_factory=list, repr=False)
+    draft_state: DraftState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -34,6 +34,7 @@ for a plan in which it is not: the victim is still always the last in line.
 from __future__ import annotations
 
 from common.config import SchedulerConfig
+from scheduler_svc.sched.drafter import Drafter
 from scheduler_svc.sched.queues import Queues
 from scheduler_svc.sched.sequence import Sequence, SequenceStatus
 from scheduler_svc.sched.sequence_group import SequenceGroup
@@ -44,9 +45,10 @@ class StepPlanner:
     (`preempt`, `fork`, `resume`), which the planner calls. The planner writes only block
     allocations and the sequences' progress of the step it plans."""
 
-    def __init__(self, queues: Queues, config: SchedulerConfig) -> None:
+    def __init__(self, queues: Queues, config: SchedulerConfig, drafter: Drafter | None = None) -> None:
         self.queues = queues
         self.config = config
+        self.drafter = drafter
         self.bm = queues.block_manager
         self.watermark_blocks = int(config.watermark * self.bm.num_blocks)
 
@@ -68,6 +70,9 @@ class StepPlanner:
         # for every chunk of it otherwise).
         chunks: list[SequenceGroup] = []
         taken: set[int] = set()
+        drafter = self.drafter
+        if drafter is not None and len(running) > drafter.config.disable_by_batch_size:
+            drafter = None  # a batch this large is bound by compute: verifying costs more than it saves
         for phase in (running, chunks):
             i = 0
             while i < len(phase) and budget > 0:
@@ -84,6 +89,12 @@ class StepPlanner:
                     seq = group.seqs[0]
                     c = seq.num_computed_tokens
                     if len(seq.token_ids) + seq.pending - c == 1:
+                        if drafter is not None and not seq.pending and self._draft(drafter, seq, budget):
+                            seqs.append(seq)
+                            query_lens.append(1 + len(seq.draft))
+                            budget -= 1 + len(seq.draft)
+                            taken.add(group.group_id)
+                            continue
                         table = tables[seq.seq_id]
                         k = c // bs
                         if k < len(table) and ref[table[k]] == 1:
@@ -117,6 +128,17 @@ class StepPlanner:
         if not preempted or not seqs:
             self._admit(budget, seqs, query_lens, step_id)
         return seqs, query_lens
+
+    def _draft(self, drafter: Drafter, seq: Sequence, budget: int) -> bool:
+        """Give a decoding sequence its draft tokens and their blocks; False (nothing changed)
+        when it drafts none or its blocks would not fit: it then decodes one token as usual."""
+        draft = drafter.propose(seq, budget)
+        end = seq.num_computed_tokens + 1 + len(draft)
+        if not draft or not self.bm.can_allocate(seq.seq_id, end, seq.num_computed_tokens):
+            return False
+        self.bm.allocate(seq.seq_id, end, seq.num_computed_tokens)
+        seq.draft = draft
+        return True
 
     def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
         """Allocate the rows' blocks and add them to the step; returns the tokens they feed."""

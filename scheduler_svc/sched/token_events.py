@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from common.plan import StepPlan, StepResult
+from scheduler_svc.sched.drafter import Drafter
 from scheduler_svc.sched.queues import Queues
 from scheduler_svc.sched.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_svc.sched.sequence_group import SequenceGroup
@@ -29,12 +32,16 @@ class TokenEvent(NamedTuple):
     group_finished: bool
     # (token, logprob) of the most likely tokens, when the request asked for logprobs.
     top: tuple[tuple[int, float], ...] = ()
+    # The sequence's length with this token, where a step appended several (kept drafts): a
+    # stop string found at this token cuts the ones after it.
+    length: int = -1
 
 
 class ResultApplier:
-    def __init__(self, queues: Queues, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, queues: Queues, eos_token_ids: frozenset[int], drafter: Drafter | None = None) -> None:
         self.queues = queues
         self.eos_token_ids = eos_token_ids
+        self.drafter = drafter
 
     def apply(
         self, seqs: list[Sequence], plan: StepPlan, result: StepResult, advanced: bool, pending_rows: list[int]
@@ -57,11 +64,20 @@ class ResultApplier:
         groups = self.queues.groups
         if result.prompt_offsets.size:
             self._collect_prompt_logprobs(seqs, plan, result)
+        drafted = result.num_accepted.size > 0
+        if drafted:
+            accepted = result.num_accepted.tolist()
+            draft_at = np.concatenate([[0], np.cumsum(plan.draft_lens)]).tolist()
+            draft_lps = result.draft_logprobs.tolist()
         for i, seq in enumerate(seqs):
             if seq.status is not running:
                 continue
             group = groups[seq.group_id]
             c = context_lens[i]
+            if drafted and seq.draft:
+                lps = draft_lps[draft_at[i] : draft_at[i] + accepted[i]]
+                events.extend(self._apply_drafted(seq, group, c, sampled[i], logprobs[i], accepted[i], lps))
+                continue
             e = c + query_lens[i]
             if not advanced:  # else counted when the next plan was planned ahead
                 seq.num_computed_tokens = e
@@ -104,6 +120,33 @@ class ResultApplier:
             events.append(TokenEvent(group, seq, token, logprob, reason, ended, top))
         for group, rows in beam_rows.items():
             events.extend(self._beam_step(group, [seqs[i] for i in rows], result, rows))
+        return events
+
+    def _apply_drafted(
+        self, seq: Sequence, group: SequenceGroup, c: int, token: int, logprob: float, accepted: int, lps: list[float]
+    ) -> list[TokenEvent]:
+        """A row that fed [last token, drafts]: the kept drafts, then the sampled token, each
+        through the stop and length rules (a stop ends it there); the blocks reserved for the
+        rejected drafts go back."""
+        bm = self.queues.block_manager
+        kept, drafted = seq.draft[:accepted], len(seq.draft)
+        seq.draft = []
+        if self.drafter is not None:
+            self.drafter.record(seq, drafted, accepted)
+        seq.num_computed_tokens = e = c + 1 + accepted
+        bm.trim(seq.seq_id, bm.blocks_for(e))
+        events: list[TokenEvent] = []
+        for t, lp in zip([*kept, token], [*lps, logprob]):
+            seq.token_ids.append(t)
+            seq.cumulative_logprob += lp
+            reason = seq.end_reason(t) if t in seq.stop_ids or len(seq.token_ids) >= seq.token_limit else None
+            if reason is not None:
+                ended = self.queues.finish_seq(seq.seq_id, reason)
+                events.append(TokenEvent(group, seq, t, lp, reason, ended, length=len(seq.token_ids)))
+                return events
+            events.append(TokenEvent(group, seq, t, lp, None, False, length=len(seq.token_ids)))
+        if e // bm.block_size != c // bm.block_size:
+            bm.commit(seq.seq_id, seq.token_ids, e, group.cache_salt)
         return events
 
     def _collect_prompt_logprobs(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> None:

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from common.request_limits import RequestLimits
 from scheduler_svc.text.grammar_cache import GrammarCache
 from scheduler_svc.text.grammar_process import (
     CompileLane,

@@ -1,6 +1,6 @@
 """Size checks of a client's text before any tokenizer, template or grammar compiler sees it.
 
-Each bound is a field of `common.config.RequestLimits` with a scheduler flag of the same name
+Each bound is a field of `common.request_limits.RequestLimits` with a scheduler flag of the same name
 (`max_prompt_bytes` is `--max-prompt-bytes`); a refusal names both, so whoever reads it knows
 what was too big and how an operator would allow it. The checks cost O(1) or one pass over the
 text in C (`str.encode`), never a Python loop over characters: they run on the event loop.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument
+from common.request_limits import RequestLimits
 
 # The bounds a caller gets without naming any (those of the flags' defaults).
 DEFAULT_LIMITS = RequestLimits()

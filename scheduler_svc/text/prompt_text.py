@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument
+from common.request_limits import RequestLimits
 from scheduler_svc.text.chat_template import ChatTemplate, Messages
 from scheduler_svc.text.input_limits import check_messages_bytes, check_text_bytes
 from scheduler_svc.text.tokenizer import Tokenizer

@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument
+from common.request_limits import RequestLimits
 from scheduler_svc.text.input_limits import DEFAULT_LIMITS, check_text_bytes, flag_of
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")

@@ -15,8 +15,8 @@ from pathlib import Path
 from tokenizers import Encoding
 from tokenizers import Tokenizer as HfTokenizer
 
-from common.config import RequestLimits
 from common.errors import InvalidArgument
+from common.request_limits import RequestLimits
 from scheduler_svc.text.input_limits import check_count, check_text_bytes
 
 

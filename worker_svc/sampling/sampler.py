@@ -84,7 +84,7 @@ def sample(
     plain = np.flatnonzero(~truncated)
     if plain.size:
         at = to_device(plain, dev)
-        picked[at] = _inverse_cdf(torch.softmax(scaled[at], dim=-1), u[at])
+        picked[at] = inverse_cdf(torch.softmax(scaled[at], dim=-1), u[at])
     trunc = np.flatnonzero(truncated)
     if trunc.size:
         at = to_device(trunc, dev)
@@ -93,7 +93,7 @@ def sample(
     return tokens
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index where u (scaled to the row's total mass) falls in each row's cumulative sum."""
     cdf = probs.double().cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
@@ -112,4 +112,30 @@ def _sample_truncated(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # already reaches top_p. The most likely token is always kept.
     before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill((before >= top_p[:, None]) & (rank > 0), 0.0)
-    return order.gather(1, _inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
+    return order.gather(1, inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
+
+
+def filtered_probs(
+    logits: torch.Tensor,  # float32 [n, vocab], raw
+    temperature: np.ndarray,  # float32 [n], > 0
+    top_p: np.ndarray,
+    top_k: np.ndarray,
+    min_p: np.ndarray | None = None,
+) -> torch.Tensor:
+    """float32 [n, vocab]: the distribution `sample` draws each row from (temperature, then
+    min-p, top-k and top-p, as there), in vocabulary order; for speculative decoding, which
+    weighs a draft token by its probability under it."""
+    dev = logits.device
+    scaled = logits / to_device(np.asarray(temperature, np.float32), dev)[:, None]
+    if min_p is not None and bool((np.asarray(min_p) > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        floor = to_device(np.asarray(min_p, np.float32), dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    rank = torch.arange(vocab, device=dev)[None, :]
+    k = to_device(np.where(np.asarray(top_k) > 0, np.minimum(top_k, vocab), vocab).astype(np.int64), dev)
+    probs = torch.softmax(sorted_logits.masked_fill(rank >= k[:, None], float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill((before >= to_device(np.asarray(top_p, np.float32), dev)[:, None]) & (rank > 0), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, probs)

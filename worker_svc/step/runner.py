@@ -21,6 +21,7 @@ import torch
 from common.plan import DEFERRED_INPUT, AdapterLoad, SamplingBatch, StepPlan, StepResult
 from worker_svc.device.host_copy import to_device, to_host
 from worker_svc.lora.adapter_cache import HostAdapter
+from worker_svc.sampling.draft_verifier import Verdict, verify
 from worker_svc.sampling.logits_processor import process_logits, processed_rows
 from worker_svc.sampling.logprobs import logits_stats, logprob_arrays, logprob_tensors, prompt_logprobs
 from worker_svc.sampling.sampler import sample
@@ -80,6 +81,14 @@ class ModelRunner(RunnerSetup):
         if asked.size and (int(asked.min()) < 0 or int(asked.max()) > self.shape.vocab_size):
             raise PlanError(f"num_logprobs outside [0, {self.shape.vocab_size}]")
         self._check_lora(plan)
+        drafted = np.flatnonzero(plan.draft_lens) if plan.draft_lens.size else plan.draft_lens
+        s = plan.sampling
+        if drafted.size and (
+            processed_rows(s, drafted).any()
+            or (s.num_logprobs.size and s.num_logprobs[drafted].any())
+            or (s.prompt_logprobs.size and (s.prompt_logprobs[drafted] >= 0).any())
+        ):
+            raise PlanError("draft tokens for a sequence with logit processing, alternatives or prompt scores")
 
     def _check_lora(self, plan: StepPlan) -> None:
         if self.lora is None:
@@ -219,6 +228,9 @@ class ModelRunner(RunnerSetup):
             # the stage is free for the next micro-batch as soon as its hidden states are sent.
             return StepResult(plan.step_id, sampled, time.perf_counter() - start, part_seconds=self._parts())
         rows = np.flatnonzero(plan.sample)  # no rows: every tensor below is empty, nothing breaks
+        spec = rows[plan.draft_lens[rows] > 0] if plan.draft_lens.size else rows[:0]  # rows verifying drafts
+        if spec.size:
+            rows = rows[plan.draft_lens[rows] == 0]
         dev = self.device
         last = starts[1:][rows] - 1
         if self._gemm_buckets is not None:
@@ -231,9 +243,19 @@ class ModelRunner(RunnerSetup):
             chosen, top_values, top_indices = logprob_tensors(logits, lse, tokens, rows, s.num_logprobs)
             host = to_host(tokens, chosen, top_values, top_indices)  # the step's only wait for the device
             sampled[rows] = host[0]
-            if not self.stage.pipelined:  # a pipeline's plans name no token in flight
-                self._last_sampled = dict(zip(plan.seq_ids[rows].tolist(), sampled[rows].tolist()))
             logprobs, top_ids, top_lps = logprob_arrays(host[1], host[2], host[3], rows, s.num_logprobs, plan.num_seqs)
+            spec_fields: dict[str, np.ndarray] = {}
+            if spec.size:
+                verdict = self._verify(plan, hidden, starts, spec)
+                sampled[spec] = verdict.tokens
+                logprobs = logprobs if logprobs.size else np.full(plan.num_seqs, np.nan, np.float32)
+                logprobs[spec] = verdict.logprobs
+                accepted = np.zeros(plan.num_seqs, np.int32)
+                accepted[spec] = verdict.accepted
+                spec_fields = {"num_accepted": accepted, "draft_logprobs": verdict.draft_logprobs}
+            if not self.stage.pipelined:  # a pipeline's plans name no token in flight
+                done = np.flatnonzero(plan.sample)
+                self._last_sampled = dict(zip(plan.seq_ids[done].tolist(), sampled[done].tolist()))
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
             fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
@@ -250,7 +272,17 @@ class ModelRunner(RunnerSetup):
             top_lps,
             part_seconds=self._parts(),
             **prompt,
+            **spec_fields,
         )
+
+    def _verify(self, plan: StepPlan, hidden: torch.Tensor, starts: np.ndarray, spec: np.ndarray) -> Verdict:
+        """The drafts of rows `spec` checked against the logits of their last d + 1 positions."""
+        lens = plan.draft_lens[spec]
+        ends = starts[1:][spec]
+        positions = np.concatenate([np.arange(e - d - 1, e) for e, d in zip(ends.tolist(), lens.tolist())])
+        drafts = np.concatenate([plan.input_ids[e - d : e] for e, d in zip(ends.tolist(), lens.tolist())])
+        logits = self.model.compute_logits(hidden.index_select(0, to_device(positions, self.device)), upcast=False)
+        return verify(logits, drafts, lens, plan.sampling, spec)
 
     def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""

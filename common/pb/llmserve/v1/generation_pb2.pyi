@@ -298,16 +298,20 @@ class WorkerGroupLoad(_message.Message):
     def __init__(self, address: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., free_cpu_blocks: _Optional[int] = ..., running: _Optional[int] = ..., name: _Optional[str] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prefix_cache_hit_tokens", "num_preemptions", "num_swaps", "swapped_bytes")
+    __slots__ = ("prefix_cache_hit_tokens", "num_preemptions", "num_swaps", "swapped_bytes", "spec_draft_tokens", "spec_accepted_tokens")
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefix_cache_hit_tokens: int
     num_preemptions: int
     num_swaps: int
     swapped_bytes: int
-    def __init__(self, prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., swapped_bytes: _Optional[int] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., swapped_bytes: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

@@ -105,7 +105,7 @@ class SamplingBatch(_message.Message):
     def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ..., mask_rows: _Optional[bytes] = ..., token_masks: _Optional[bytes] = ..., token_mask_words: _Optional[int] = ..., mask_sparse: _Optional[bytes] = ..., mask_id_offsets: _Optional[bytes] = ..., mask_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_ids", "block_offsets", "sample", "sampling", "swap_out", "swap_in", "copy", "adapter_loads", "lora_slots")
+    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_ids", "block_offsets", "sample", "sampling", "swap_out", "swap_in", "copy", "adapter_loads", "lora_slots", "draft_lens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class StepPlan(_message.Message):
     COPY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     query_lens: bytes
@@ -134,10 +135,11 @@ class StepPlan(_message.Message):
     copy: bytes
     adapter_loads: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
     lora_slots: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., block_offsets: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., lora_slots: _Optional[bytes] = ...) -> None: ...
+    draft_lens: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., block_offsets: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., lora_slots: _Optional[bytes] = ..., draft_lens: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds")
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds", "num_accepted", "draft_logprobs")
     class PartSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,8 @@ class StepResult(_message.Message):
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     execute_seconds: float
@@ -171,4 +175,6 @@ class StepResult(_message.Message):
     prompt_top_logprobs: bytes
     prompt_top_width: int
     part_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ..., part_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    num_accepted: bytes
+    draft_logprobs: bytes
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ..., part_seconds: _Optional[_Mapping[str, float]] = ..., num_accepted: _Optional[bytes] = ..., draft_logprobs: _Optional[bytes] = ...) -> None: ...

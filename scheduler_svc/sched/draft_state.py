@@ -1,0 +1,17 @@
+"""What the drafter keeps of one sequence: its n-gram index and how its drafts have done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.sched.ngram_index import NgramIndex
+
+
+@dataclass
+class DraftState:
+    index: NgramIndex
+    drafted: int = 0
+    accepted: int = 0
+    recent_drafted: int = 0
+    recent_accepted: int = 0
+    rest_until: int = 0  # no drafts until the sequence holds this many tokens

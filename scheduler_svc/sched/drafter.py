@@ -1,0 +1,76 @@
+"""The scheduler's side of speculative decoding: which sequences draft, how many tokens, and
+how well their drafts have done.
+
+Drafting happens while the step is planned, on the CPU the scheduler already spends there,
+from tokens the scheduler already holds; the worker only verifies (worker_svc/sampling/
+draft_verifier.py). A sequence drafts only where verification keeps outputs exactly as they
+would be: plain greedy or random sampling, no logit processing (bias, penalties, min_tokens
+bans, a grammar's mask), no alternatives or prompt scores, one sequence in its group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.speculative_config import SpeculativeConfig
+from scheduler_svc.sched.draft_state import DraftState
+from scheduler_svc.sched.ngram_index import NgramIndex
+from scheduler_svc.sched.sequence import Sequence
+
+# Drafts between two looks at a sequence's acceptance rate, and tokens it then rests for
+# when the rate was too low.
+_REVIEW_DRAFTS = 32
+_REST_TOKENS = 64
+# How far back a prompt is indexed at first (scheduler_svc/sched/ngram_index.py).
+_PROMPT_WINDOW = 8192
+
+
+@dataclass
+class Drafter:
+    config: SpeculativeConfig
+    # Totals since start, for the metrics (llmserve:spec_decode_*_tokens_total).
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for `seq`'s next step (it decodes one token), within `budget` tokens for
+        the whole row and the tokens it may still produce; [] where it should not draft."""
+        k = min(self.config.num_speculative_tokens, budget - 1, seq.token_limit - len(seq.token_ids) - 1)
+        if k <= 0 or not self._eligible(seq):
+            return []
+        state = seq.draft_state
+        if state is None:
+            c = self.config
+            state = seq.draft_state = DraftState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, _PROMPT_WINDOW))
+        if len(seq.token_ids) < state.rest_until:
+            return []
+        return state.index.propose(seq.token_ids, k)
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified step: `accepted` of `drafted` tokens kept."""
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        state = seq.draft_state
+        if state is None:
+            return
+        state.drafted += drafted
+        state.accepted += accepted
+        state.recent_drafted += drafted
+        state.recent_accepted += accepted
+        if state.recent_drafted >= _REVIEW_DRAFTS:
+            if state.recent_accepted < self.config.min_acceptance_rate * state.recent_drafted:
+                state.rest_until = len(seq.token_ids) + _REST_TOKENS
+            state.recent_drafted = state.recent_accepted = 0
+
+    def _eligible(self, seq: Sequence) -> bool:
+        o = seq.sampling
+        return (
+            seq.grammar is None
+            and o.logprobs is None
+            and o.prompt_logprobs is None
+            and not o.penalized
+            and not o.logit_bias
+            and o.beam_width == 1
+            and o.best_of == 1
+            and seq.num_output_tokens >= seq.stopping.min_tokens
+        )

@@ -1,0 +1,162 @@
+"""Speculative decoding in the pure scheduler, driven by a fake worker that verifies drafts.
+
+The fake model's token at a position depends only on the position (as in test_scheduler.py),
+here through a repeating pattern, so that prompt lookup finds what comes next; a greedy
+sequence must produce exactly the tokens it produces without drafts, whatever was drafted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from common.config import SchedulerConfig
+from common.plan import StepPlan, StepResult
+from common.speculative_config import SpeculativeConfig
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, StoppingParams
+from scheduler_svc.sched.sequence_group import SequenceGroup
+
+PERIOD = 11
+
+
+def pattern(position: int) -> int:
+    return 100 + (position * 5) % PERIOD
+
+
+def fake_worker(target: Callable[[int], int]) -> Callable[[StepPlan], StepResult]:
+    """Greedy verification: draft j of a row stands at position c + 1 + j and is kept while
+    it is the target's token there; the token after the kept ones is the target's."""
+
+    def execute(plan: StepPlan) -> StepResult:
+        ends = (plan.context_lens + plan.query_lens).tolist()
+        drafts = plan.draft_lens.tolist() if plan.draft_lens.size else [0] * plan.num_seqs
+        starts = np.concatenate([[0], np.cumsum(plan.query_lens)]).tolist()
+        tokens = np.full(plan.num_seqs, -1, np.int32)
+        accepted = np.zeros(plan.num_seqs, np.int32)
+        for i in np.flatnonzero(plan.sample).tolist():
+            d, e = drafts[i], ends[i]
+            first = e - d  # the position of the first draft
+            fed = plan.input_ids[starts[i + 1] - d : starts[i + 1]].tolist()
+            a = 0
+            while a < d and fed[a] == target(first + a):
+                a += 1
+            accepted[i] = a
+            tokens[i] = target(first + a)
+        if not any(drafts):
+            return StepResult(plan.step_id, tokens)
+        total = int(sum(drafts))
+        return StepResult(plan.step_id, tokens, num_accepted=accepted, draft_logprobs=np.zeros(total, np.float32))
+
+    return execute
+
+
+def make(spec: SpeculativeConfig | None, num_blocks: int = 256, **config: object) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(speculative=spec, **config),  # type: ignore[arg-type]
+        BlockManager(num_blocks=num_blocks, block_size=4, num_host_blocks=64),
+        max_model_len=4096,
+        eos_token_ids=frozenset({2}),
+        block_bytes=1000,
+    )
+
+
+def add(s: Scheduler, seq_id: int, prompt: list[int], max_tokens: int, **stopping: object) -> Sequence:
+    seq = Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        prompt_token_ids=prompt,
+        sampling=SamplingOptions(),
+        stopping=StoppingParams(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
+        arrival=seq_id,
+    )
+    s.add(SequenceGroup.of(seq, 0))
+    return seq
+
+
+def run(s: Scheduler, target: Callable[[int], int]) -> list[StepPlan]:
+    execute, plans = fake_worker(target), []
+    while (plan := s.schedule()) is not None:
+        s.update(plan, execute(plan))
+        s.check_integrity()
+        plans.append(plan)
+    assert not s.has_work and s.block_manager.num_free_blocks == s.block_manager.num_blocks
+    return plans
+
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+
+
+def prompts() -> list[list[int]]:
+    return [[pattern(p) for p in range(40)], [pattern(p) for p in range(13)], [7, 8, 9, 10, 11, 12]]
+
+
+def test_drafts_change_no_greedy_output_and_save_steps() -> None:
+    outputs, steps = {}, {}
+    for spec in (None, SPEC):
+        s = make(spec)
+        seqs = [add(s, i, p, max_tokens=60) for i, p in enumerate(prompts())]
+        steps[spec is not None] = len(run(s, pattern))
+        outputs[spec is not None] = [q.output_token_ids for q in seqs]
+    assert outputs[True] == outputs[False]
+    assert all(len(o) == 60 for o in outputs[True])
+    assert steps[True] < steps[False] / 2  # four drafts a step, nearly all kept
+    assert s.drafter is not None and s.drafter.accepted_total > 0.8 * s.drafter.drafted_total
+
+
+def test_a_stop_token_among_the_kept_drafts_ends_the_sequence_there() -> None:
+    s = make(SPEC)
+    stop = pattern(45)
+    seq = add(s, 0, [pattern(p) for p in range(40)], max_tokens=100, stop_token_ids=frozenset({stop}))
+    run(s, pattern)
+    assert seq.output_token_ids[-1] == stop and stop not in seq.output_token_ids[:-1]
+    assert seq.finish_reason is FinishReason.STOP
+    assert seq.output_token_ids == [pattern(p) for p in range(40, 40 + len(seq.output_token_ids))]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 7])
+def test_drafts_never_pass_max_tokens(max_tokens: int) -> None:
+    s = make(SPEC)
+    seq = add(s, 0, [pattern(p) for p in range(40)], max_tokens=max_tokens)
+    plans = run(s, pattern)
+    assert seq.output_token_ids == [pattern(p) for p in range(40, 40 + max_tokens)]
+    assert all(int(p.query_lens.max()) <= 1 + max_tokens for p in plans[1:])
+
+
+def test_a_batch_above_the_limit_drafts_nothing() -> None:
+    s = make(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2))
+    for i in range(3):
+        add(s, i, [pattern(p) for p in range(20 + i)], max_tokens=10)
+    plans = run(s, pattern)
+    running_three = [p for p in plans if p.num_seqs == 3]
+    assert running_three and all(not p.draft_lens.size or not p.draft_lens.any() for p in running_three)
+
+
+def test_a_sequence_whose_drafts_fail_rests() -> None:
+    """A model whose tokens come from the prompt's alphabet in no order: n-grams keep
+    matching and their drafts keep failing, so after a review the sequence stops drafting for
+    a while (its output is unchanged)."""
+    noise = np.random.default_rng(1).integers(100, 100 + PERIOD, 400).tolist()
+    drafted = {}
+    for rate in (0.0, 0.5):
+        s = make(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, min_acceptance_rate=rate))
+        seq = add(s, 0, [pattern(p) for p in range(40)], max_tokens=120)
+        run(s, lambda p: noise[p])
+        assert seq.output_token_ids == noise[40:160]
+        assert s.drafter is not None and s.drafter.accepted_total < 0.3 * s.drafter.drafted_total
+        drafted[rate] = s.drafter.drafted_total
+    assert 0 < drafted[0.5] < 0.6 * drafted[0.0]
+
+
+def test_preemption_under_a_small_pool_keeps_outputs() -> None:
+    outputs = {}
+    for spec in (None, SPEC):
+        s = make(spec, num_blocks=40, preemption_mode="recompute")
+        seqs = [add(s, i, [pattern(p) for p in range(30 + i)], max_tokens=40) for i in range(4)]
+        run(s, pattern)
+        outputs[spec is not None] = [q.output_token_ids for q in seqs]
+        assert s.queues.num_preemptions > 0 or spec is None
+    assert outputs[True] == outputs[False]
