@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` "ngram": prompt lookup (scheduler_svc/sched/ngram_index.py) over the request's
-    own prompt and output. Field names follow vLLM's `speculative_config`."""
+    own prompt and output; "suffix": the most frequent continuations over the request's own
+    tokens and earlier requests' outputs (scheduler_svc/sched/suffix_index.py), contexts of up
+    to prompt_lookup_max tokens. Field names follow vLLM's `speculative_config`."""
 
     method: str = "ngram"
     # Draft tokens proposed per sequence and step (a sequence then feeds up to 1 + K tokens).

@@ -73,7 +73,8 @@ COPY_TEXT = (
 
 
 @pytest.mark.slow
-def test_smollm2_copying_keeps_drafts_and_equals_transformers(smollm2_dir: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_smollm2_copying_keeps_drafts_and_equals_transformers(smollm2_dir: Path, method: str) -> None:
     """A text quoted again: SmolLM2 continues the quote, prompt lookup drafts it, most drafts
     are kept, and greedy float32 still equals transformers token for token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,7 +86,7 @@ def test_smollm2_copying_keeps_drafts_and_equals_transformers(smollm2_dir: Path)
         want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40, pad_token_id=0)[0, len(ids) :]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     stop = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=["voice"])
-    with LLM(str(smollm2_dir), speculative_config=SPEC, **ENGINE) as llm:
+    with LLM(str(smollm2_dir), speculative_config={**SPEC, "method": method}, **ENGINE) as llm:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         drafter = llm._engine.engine.replicas[0].scheduler.drafter  # type: ignore[union-attr]
         stopped = llm.generate([{"prompt_token_ids": ids}], stop, use_tqdm=False)[0].outputs[0]

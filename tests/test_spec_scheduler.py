@@ -19,6 +19,7 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.sequence import FinishReason, SamplingOptions, Sequence, StoppingParams
 from scheduler_svc.sched.sequence_group import SequenceGroup
+from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 
 PERIOD = 11
 
@@ -159,4 +160,42 @@ def test_preemption_under_a_small_pool_keeps_outputs() -> None:
         run(s, pattern)
         outputs[spec is not None] = [q.output_token_ids for q in seqs]
         assert s.queues.num_preemptions > 0 or spec is None
+    assert outputs[True] == outputs[False]
+
+
+def test_suffix_drafts_walk_the_most_frequent_continuation() -> None:
+    own, shared = SuffixIndex(3), SuffixIndex(3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    own.follow(tokens, 1000)
+    # after [1, 2]: 3 (three times); after [1, 2, 3]: 4 twice, 9 once; then [2, 3, 4] -> 1
+    assert draft((own, shared), tokens, 4, 0.3) == [3, 4, 1, 2]
+    assert draft((own, shared), tokens, 4, 0.9) == [3]  # 4 followed [1, 2, 3] 2 times in 3
+    shared.extend([7, 7, 8, 5, 6], 0)  # another request's output
+    assert draft((own, shared), [8, 5], 2, 0.3) == [6]  # only the shared index knows [8, 5]
+
+
+def test_suffix_drafts_from_earlier_requests_outputs() -> None:
+    """Requests that write the same thing: the second drafts from the first one's output at
+    once. Ten tokens are fewer than the pattern's period, so nothing within one request
+    repeats: every kept draft comes from the other request."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, prompt_lookup_max=4)
+    s = make(spec)
+    first = add(s, 0, [1, 2, 3], max_tokens=10)
+    run(s, pattern)
+    assert s.drafter is not None and s.drafter.accepted_total == 0
+    second = add(s, 1, [1, 2, 3], max_tokens=10)
+    run(s, pattern)
+    assert s.drafter.accepted_total >= 6
+    assert first.output_token_ids == [pattern(p) for p in range(3, 13)]
+    assert second.output_token_ids == first.output_token_ids
+
+
+def test_suffix_drafting_changes_no_greedy_output() -> None:
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, prompt_lookup_max=4)
+    outputs = {}
+    for config in (None, spec):
+        s = make(config)
+        seqs = [add(s, i, p, max_tokens=50) for i, p in enumerate(prompts())]
+        run(s, pattern)
+        outputs[config is not None] = [q.output_token_ids for q in seqs]
     assert outputs[True] == outputs[False]

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.sched.ngram_index import NgramIndex
+from scheduler_svc.sched.suffix_index import SuffixIndex
 
 
 @dataclass
 class DraftState:
-    index: NgramIndex
+    index: NgramIndex | SuffixIndex
     drafted: int = 0
     accepted: int = 0
     recent_drafted: int = 0

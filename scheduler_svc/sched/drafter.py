@@ -16,6 +16,7 @@ from common.speculative_config import SpeculativeConfig
 from scheduler_svc.sched.draft_state import DraftState
 from scheduler_svc.sched.ngram_index import NgramIndex
 from scheduler_svc.sched.sequence import Sequence
+from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 
 # Drafts between two looks at a sequence's acceptance rate, and tokens it then rests for
 # when the rate was too low.
@@ -23,6 +24,10 @@ _REVIEW_DRAFTS = 32
 _REST_TOKENS = 64
 # How far back a prompt is indexed at first (scheduler_svc/sched/ngram_index.py).
 _PROMPT_WINDOW = 8192
+# Suffix drafting: a walk stops at a token that followed its context less often than this
+# share, and the index of earlier requests' outputs starts over past this many counts.
+_MIN_SHARE = 0.3
+_SHARED_COUNTS = 4_000_000
 
 
 @dataclass
@@ -31,6 +36,12 @@ class Drafter:
     # Totals since start, for the metrics (llmserve:spec_decode_*_tokens_total).
     drafted_total: int = 0
     accepted_total: int = 0
+    # "suffix": what earlier requests' outputs continued each context with.
+    shared: SuffixIndex | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.method == "suffix":
+            self.shared = SuffixIndex(self.config.prompt_lookup_max)
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for `seq`'s next step (it decodes one token), within `budget` tokens for
@@ -41,10 +52,30 @@ class Drafter:
         state = seq.draft_state
         if state is None:
             c = self.config
-            state = seq.draft_state = DraftState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, _PROMPT_WINDOW))
+            index = (
+                SuffixIndex(c.prompt_lookup_max)
+                if self.shared is not None
+                else NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, _PROMPT_WINDOW)
+            )
+            state = seq.draft_state = DraftState(index)
         if len(seq.token_ids) < state.rest_until:
             return []
-        return state.index.propose(seq.token_ids, k)
+        if isinstance(state.index, NgramIndex):
+            return state.index.propose(seq.token_ids, k)
+        state.index.follow(seq.token_ids, _PROMPT_WINDOW)
+        assert self.shared is not None
+        return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
+
+    def finished(self, seq: Sequence) -> None:
+        """Suffix drafting: count a finished sequence's output (after the end of its prompt)
+        into the index later requests draft from."""
+        shared = self.shared
+        if shared is None or not seq.num_output_tokens:
+            return
+        if shared.size > _SHARED_COUNTS:
+            shared.clear()
+        lead = min(shared.max_n, seq.num_prompt_tokens)
+        shared.extend(seq.token_ids[seq.num_prompt_tokens - lead :], lead)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verified step: `accepted` of `drafted` tokens kept."""

@@ -338,9 +338,14 @@ class Scheduler:
         if not self._in_flight or self._in_flight[0].step_id != plan.step_id or result.step_id != plan.step_id:
             raise RuntimeError(f"update() for step {plan.step_id} does not match the plan in flight")
         record = self._in_flight.popleft()
-        return self._results.apply(
+        events = self._results.apply(
             record.seqs, plan, result, advanced=record.advanced, pending_rows=record.pending_rows
         )
+        if self.drafter is not None:
+            for event in events:
+                if event.finish_reason is not None:
+                    self.drafter.finished(event.seq)
+        return events
 
     def check_integrity(self) -> None:
         """Queues, sequence states and block tables agree with each other and with the pools."""
