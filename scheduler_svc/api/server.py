@@ -41,6 +41,8 @@ from scheduler_svc.workers.rank_links import RankLinks
 from scheduler_svc.workers.worker_client import WorkerClient
 from scheduler_svc.workers.worker_registry import WorkerRegistry
 
+MIB = 1 << 20
+
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -67,6 +69,10 @@ class SchedulerServer:
         gateway_host/gateway_port: `llmserve up` asks for an ephemeral one on loopback.
         `served_name` is the model's name to clients (None: its directory's)."""
         self.server_config = server_config
+        # A request may carry a prompt of --max-prompt-bytes as text, or as token ids (up to 5
+        # bytes each on the wire, ~3 for a 50k vocabulary): gRPC's default 4 MiB would refuse a
+        # million-token prompt before any limit of ours could name its flag.
+        self._max_request_bytes = max(4 * MIB, 4 * scheduler_config.limits.max_prompt_bytes) + 16 * MIB
         self.registry_config = registry_config or RegistryConfig()
         spec = ModelSpec.from_dir(model_dir).served_as(served_name)
         token = server_config.auth.worker_token  # shown to every worker we dial
@@ -141,7 +147,11 @@ class SchedulerServer:
         checked before the handler decodes anything."""
         cfg = self.server_config
         return grpc.aio.server(
-            options=[EXCLUSIVE, ("grpc.max_concurrent_streams", cfg.max_streams_per_connection)],
+            options=[
+                EXCLUSIVE,
+                ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+                ("grpc.max_receive_message_length", self._max_request_bytes),
+            ],
             interceptors=[self._rpc_metrics, auth, ErrorInterceptor()],
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )

@@ -64,8 +64,9 @@ class Router:
             raise ResourceExhausted(
                 f"the request needs {biggest.blocks_for_group(prompt, total, width)} KV blocks ({width} x up to "
                 f"{total} tokens), more than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size}); "
-                f"lower stopping.max_tokens, the prompt length, n, best_of or beam_width, or give the workers a "
-                f"bigger KV pool (--kv-cache-gb, --gpu-memory-utilization or --num-gpu-blocks)"
+                f"set or lower stopping.max_tokens (unset, it is the rest of the context), the prompt length, n, "
+                f"best_of or beam_width; or give the workers a bigger KV pool (--kv-cache-gb, "
+                f"--gpu-memory-utilization or --num-gpu-blocks) or a shorter context (--max-model-len)"
             )
         target = self.pick([r for r in fit if r.num_queued < c.max_queue_len], token_ids, cache_salt)
         if target is None:

@@ -48,6 +48,8 @@ def role_of(method: str) -> Role:
     return Role.OPEN if method == PROBE else Role.WORKER
 
 
+_GRPC_MAX_BYTES = (1 << 31) - 1  # the most a gRPC message length option can say
+
 def max_plan_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
     """The largest step plan a scheduler sends this worker, with room to spare: its receive limit.
 
@@ -60,7 +62,8 @@ def max_plan_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab
     49k vocabulary) at 256 sequences: 42 MiB, where 256 MiB was allowed before.
     """
     per_seq = 4 * max_model_len + 4 * -(-max_model_len // block_size) + 4 * -(-vocab_size // 32) + 64 * 1024
-    return 16 * MIB + max(max_num_seqs, 256) * per_seq
+    # gRPC takes the limit as a C int: a context of ~2M tokens would pass it.
+    return min(16 * MIB + max(max_num_seqs, 256) * per_seq, _GRPC_MAX_BYTES)
 
 
 class WorkerServer:
