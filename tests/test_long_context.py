@@ -167,3 +167,48 @@ async def test_a_prompt_that_fits_the_small_pool_runs(tiny_model_dir: Path, smal
     finally:
         await stop_scheduler(scheduler)
     assert [len(g.token_ids) for g in gens] == [8, 8]
+
+
+TRITON_PROMPT = 2048  # the interpreter runs a program in ~0.3 ms: a smaller context
+
+
+def test_triton_kernels_in_the_interpreter_follow_a_long_row_beside_a_short_one(long_model: Path) -> None:
+    """The Triton backend (interpreted on a CPU) prefills a 2k prompt in chunks of 512 and
+    decodes it beside a 16-token sequence whose table is 2 blocks long, the long row's 129:
+    greedy tokens equal transformers'."""
+    from transformers import LlamaForCausalLM
+
+    from common.config import CacheConfig, WorkerConfig
+    from tests.conftest import KERNEL_DEVICE
+    from tests.plans import Feed, make_plan
+    from worker_svc.step.runner import ModelRunner
+
+    prompt = torch.randint(3, 49152, (TRITON_PROMPT,), generator=torch.Generator().manual_seed(11)).tolist()
+    ref = LlamaForCausalLM.from_pretrained(str(long_model), dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=4, pad_token_id=0, eos_token_id=None
+        )
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(long_model),
+            dtype="float32",
+            device=KERNEL_DEVICE,
+            attention_backend="triton",
+            max_model_len=TRITON_PROMPT + 64,
+            cache=CacheConfig(num_gpu_blocks=200),
+        )
+    )
+    long_table, short_table = list(range(1, 1 + TRITON_PROMPT // 16 + 1)), [150, 151]
+    short = list(range(100, 116))
+    for step, start in enumerate(range(0, TRITON_PROMPT, 512)):
+        result = runner.execute(make_plan(step, [Feed(0, prompt[start : start + 512], start, long_table)]))
+    got = [int(result.sampled_token_ids[0])]
+    runner.execute(make_plan(10, [Feed(1, short[:15], 0, short_table, sample=False)]))
+    for i in range(3):
+        feeds = [
+            Feed(0, got[-1:], TRITON_PROMPT + i, long_table),
+            Feed(1, short[15:] if i == 0 else [7], 15 + i, short_table),
+        ]
+        got.append(int(runner.execute(make_plan(11 + i, feeds)).sampled_token_ids[0]))
+    assert got == want[0, TRITON_PROMPT:].tolist()
