@@ -212,3 +212,28 @@ def test_triton_kernels_in_the_interpreter_follow_a_long_row_beside_a_short_one(
         ]
         got.append(int(runner.execute(make_plan(11 + i, feeds)).sampled_token_ids[0]))
     assert got == want[0, TRITON_PROMPT:].tolist()
+
+
+def test_a_plan_with_a_million_token_row_beside_255_short_ones_encodes_under_a_mib() -> None:
+    """The scheduler's own plan for 255 decoding sequences of 16 blocks and one of 65,536
+    (a 1M-token context): its tables are the blocks named, not 256 rows of the widest."""
+    from common import worker_wire
+    from scheduler_svc.kv.block_manager import BlockManager
+    from scheduler_svc.sched.plan_builder import PlanBuilder
+    from scheduler_svc.sched.sequence import SamplingOptions, Sequence, StoppingParams
+    from scheduler_svc.sched.sequence_group import SequenceGroup
+
+    bm = BlockManager(num_blocks=70_000, block_size=16)
+    seqs, groups = [], {}
+    for i, length in enumerate([256] * 255 + [1 << 20]):
+        seq = Sequence(i, f"r{i}", [7] * length, SamplingOptions(), StoppingParams(max_tokens=4), arrival=i)
+        bm.allocate(i, length)
+        seq.num_computed_tokens = length - 1  # decoding its last token
+        groups[i] = SequenceGroup.of(seq, 0)
+        seqs.append(seq)
+    plan = PlanBuilder(bm, groups=groups).build(0, seqs, [1] * 256)
+    encoded = worker_wire.encode_plan(plan).SerializeToString()
+    assert plan.block_tables.ids.size == 255 * 16 + 65_536
+    assert len(encoded) < 1 << 20, len(encoded)
+    back = worker_wire.decode_plan(type(worker_wire.encode_plan(plan)).FromString(encoded))
+    assert back.block_tables.row(255).tolist() == bm.block_table(255)
