@@ -50,6 +50,7 @@ def role_of(method: str) -> Role:
 
 _GRPC_MAX_BYTES = (1 << 31) - 1  # the most a gRPC message length option can say
 
+
 def max_plan_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
     """The largest step plan a scheduler sends this worker, with room to spare: its receive limit.
 
