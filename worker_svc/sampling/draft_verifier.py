@@ -19,13 +19,14 @@ its bits flipped), so a recomputed or re-batched sequence keeps or rejects the s
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from common.plan import SamplingBatch
 from worker_svc.device.host_copy import to_device, to_host
+from worker_svc.sampling.logprobs import logits_stats
 from worker_svc.sampling.sampler import filtered_probs, inverse_cdf, uniform
 
 # The acceptance test's stream: the seed with every bit flipped (int64 two's complement).
@@ -45,7 +46,11 @@ def verify(
     lens: np.ndarray,  # int32 [rows] drafts per row, each > 0
     s: SamplingBatch,
     plan_rows: np.ndarray,  # [rows] each row's index in the plan (its sampling parameters)
+    cpu_kernels: Any = None,
 ) -> Verdict:
+    """`cpu_kernels`: the argmax and logsumexp that plain decoding takes (logits_stats), so
+    that a greedy row breaks a tie between equal bfloat16 logits the way it would without
+    drafts."""
     dev = logits.device
     lens = lens.astype(np.int64)
     width = lens + 1
@@ -55,11 +60,10 @@ def verify(
     is_draft = j < lens[row_of]
     draft_at = np.zeros(j.size, np.int64)
     draft_at[is_draft] = drafts
+    tokens, lse = logits_stats(logits, cpu_kernels)
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
     at = to_device(draft_at, dev)
     draft_lp = logits.gather(1, at[:, None]).squeeze(1) - lse
-    tokens = logits.argmax(dim=-1)
     keep = tokens == at
     params = plan_rows[row_of]
     random = np.flatnonzero(s.temperature[params] > 0)

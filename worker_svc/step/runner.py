@@ -282,7 +282,7 @@ class ModelRunner(RunnerSetup):
         positions = np.concatenate([np.arange(e - d - 1, e) for e, d in zip(ends.tolist(), lens.tolist())])
         drafts = np.concatenate([plan.input_ids[e - d : e] for e, d in zip(ends.tolist(), lens.tolist())])
         logits = self.model.compute_logits(hidden.index_select(0, to_device(positions, self.device)), upcast=False)
-        return verify(logits, drafts, lens, plan.sampling, spec)
+        return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels)
 
     def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""

@@ -1,0 +1,52 @@
+"""benchmarks/spec_decode.py end to end at small sizes on SmolLM2: a plain and an n-gram server
+each stream a copy, a random-token and a sampled point; the JSON holds every point's numbers,
+the speculative run reports drafts (most kept on the copy), and the scraped counters agree with
+the streams' own stats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def test_quick_run_reports_drafts_and_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    args = ["--workloads", "copy,random,sampled", "--concurrency", "1", "--num-requests", "2", "--output-cap", "24"]
+    args += ["--retries", "0", "--out", str(out), "--results-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/spec_decode.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "spec_decode" and r["modes"] == {
+        "off": [],
+        "ngram-k4": ["--speculative-method", "ngram", "--num-speculative-tokens", "4"],
+    }
+    assert [(p["workload"], p["concurrency"]) for p in r["points"]] == [("copy", 1), ("random", 1), ("sampled", 1)]
+    for p in r["points"]:
+        assert set(p["modes"]) == {"off", "ngram-k4"} and p["ratio_over_off"]["ngram-k4"] > 0
+        assert 0 <= p["same_output_share"]["ngram-k4"] <= 1
+        for s in p["modes"].values():
+            assert s["requests"] == 2 and 2 <= s["output_tokens"] <= 48 and s["output_tokens_per_s"] > 0
+            assert all(s[k]["p50"] > 0 for k in ("ttft_s", "itl_s", "message_gap_s"))
+            assert 0 <= s["foreign_cpu_share"] <= 1
+            # Each stream's own stats, summed, against the server's counters over the point.
+            assert s["metrics_delta"]["drafted"] == s["spec_draft_tokens"]
+            assert s["metrics_delta"]["accepted"] == s["spec_accepted_tokens"]
+        off = p["modes"]["off"]
+        assert off["spec_draft_tokens"] == 0 and off["acceptance_rate"] is None and off["tokens_per_message"] == 1
+        assert off["itl_s"] == off["message_gap_s"]  # one token a message without drafts
+    copy = r["points"][0]["modes"]["ngram-k4"]
+    # Repeating a passage: the drafts come from the prompt, and SmolLM2 keeps most of them.
+    assert copy["spec_draft_tokens"] > 0 and copy["acceptance_rate"] > 0.5 and copy["tokens_per_message"] > 1.5
+    assert set(r["targets"]) == {"ngram-k4/copy", "ngram-k4/random", "ngram-k4/sampled"}
+    assert r["targets"]["ngram-k4/copy"]["target"] == 1.8 and r["machine"]["cpu_count"] >= 1
