@@ -208,7 +208,8 @@ def summarize(records: list[Record], wall: float, metrics: dict[str, float], for
             itl += [(now - before) / n] * n
     tokens = sum(len(r.tokens) for r in records)
     drafted, accepted = sum(r.drafted for r in records), sum(r.accepted for r in records)
-    out = {"requests": len(records), "output_tokens": tokens, "elapsed_s": wall, "output_tokens_per_s": tokens / wall}
+    out: dict[str, Any] = {"requests": len(records), "output_tokens": tokens, "elapsed_s": wall}
+    out["output_tokens_per_s"] = tokens / wall
     out |= {"ttft_s": pcts([r.times[0] - r.sent for r in records]), "itl_s": pcts(itl), "message_gap_s": pcts(gaps)}
     out |= {"tokens_per_message": tokens / sum(len(r.times) for r in records), "metrics_delta": metrics}
     out |= {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "foreign_cpu_share": foreign}
@@ -378,15 +379,12 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for m in modes:
             m.server.stop()
-    spec_names = [m.name for m in modes if m.name != "off"]
-    result = {"benchmark": "spec_decode", "date": now.isoformat(timespec="seconds"), "model": str(model_dir)}
-    result |= {
-        "dtype": {"requested": args.dtype, "resolved": tput.resolve_dtype(args.dtype)},
-        "machine": tput.machine(),
-    }
-    result |= {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "results_dir")}}
-    result |= {"modes": {m.name: m.flags for m in modes}, "points": points}
-    result |= {"targets": check_targets(points, spec_names), "server_logs": [str(m.server.log_path) for m in modes]}
+    result: dict[str, Any] = {"benchmark": "spec_decode", "date": now.isoformat(timespec="seconds")}
+    result |= {"model": str(model_dir), "dtype": {"requested": args.dtype, "resolved": tput.resolve_dtype(args.dtype)}}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "results_dir")}  # paths are not JSON
+    result |= {"machine": tput.machine(), "settings": settings, "modes": {m.name: m.flags for m in modes}}
+    result |= {"points": points, "server_logs": [str(m.server.log_path) for m in modes]}
+    result["targets"] = check_targets(points, [m.name for m in modes if m.name != "off"])
     print_table(points)
     for name, t in result["targets"].items():
         print(f"{name}: min {t['min_ratio']:.2f}x (target {t['target']}x) {'met' if t['met'] else 'NOT met'}")
