@@ -114,11 +114,20 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   const T* kbase[CHUNK];  // this chunk's cache rows, at the item's first KV head
   const T* vbase[CHUNK];
   const T* kj[CHUNK];  // the same rows at one KV head
+  const char* knext[CHUNK];  // the next chunk's rows, at the item's first KV head
+  const char* vnext[CHUNK];
+  const bool spread = heads > 1;
+  constexpr int64_t head_bytes = HD * sizeof(T);
+  auto prefetch_row = [&](const char* k, const char* v) {  // one head of a key's row (the item's, unless spread)
+    for (int64_t b = 0; b < (spread ? 1 : heads) * head_bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 2);
+      __builtin_prefetch(v + b, 0, 2);
+    }
+  };
   // Row r sees keys [first_key(r), context + row_begin + r]; the tile's last row sees the
   // most, its first row the earliest.
   auto first_key = [&](int r) { return sh.window > 0 ? std::max(0, context + it.row_begin + r + 1 - sh.window) : 0; };
   const int num_keys = context + it.row_end;
-  const int64_t item_bytes = static_cast<int64_t>(heads) * HD * sizeof(T);  // of one cache row
   for (int c0 = first_key(0); c0 < num_keys; c0 += CHUNK) {
     const int n = std::min(CHUNK, num_keys - c0);
     for (int j = 0; j < CHUNK; ++j) {
@@ -128,18 +137,19 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
       kbase[j] = k_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD;
       vbase[j] = v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD;
     }
-    // The next chunk's rows lie in another block, wherever the allocator put it: ask for
-    // them now, so they arrive while this chunk computes. Into L2, not L1: a decode item's
-    // next chunk is 12 KB of lines, more than L1's miss buffers track, and on a Zen 5 CPU
-    // the L2 hint read decode's KV 1.25-1.35x faster (benchmarks/cpu_attention_bench.py).
-    for (int key = c0 + CHUNK; key < std::min(num_keys, c0 + 2 * CHUNK); ++key) {
+    // The next chunk's rows lie in another block, wherever the allocator put it: ask for them
+    // into L2 while this chunk computes. An item of every KV head spreads the requests over
+    // its value loops below, a few lines per key and head: asked all at once they fill the
+    // core's miss buffers and stall its loads (decode read 1.8x faster spread, on a Zen 5
+    // CPU, benchmarks/cpu_attention_bench.py). An item of one head computes too little for
+    // that to start the requests early enough: it asks at once, here.
+    const int next_n = std::max(0, std::min(CHUNK, num_keys - c0 - CHUNK));
+    for (int j = 0; j < next_n; ++j) {
+      const int key = c0 + CHUNK + j;
       const int64_t slot = static_cast<int64_t>(block_table[key / sh.block_size]) * sh.block_size + key % sh.block_size;
-      const char* kp = reinterpret_cast<const char*>(k_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
-      const char* vp = reinterpret_cast<const char*>(v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
-      for (int64_t b = 0; b < item_bytes; b += 64) {
-        __builtin_prefetch(kp + b, 0, 2);
-        __builtin_prefetch(vp + b, 0, 2);
-      }
+      knext[j] = reinterpret_cast<const char*>(k_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
+      vnext[j] = reinterpret_cast<const char*>(v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
+      if (!spread) prefetch_row(knext[j], vnext[j]);
     }
     for (int r = 0; r < rows; ++r) {
       // Row r sees lanes [skip, visible) of the chunk.
@@ -173,6 +183,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           for (int g = 0; g < GB; ++g)
             for (int c = 0; c < DV; ++c) a[g][c] = vload(acc + (i0 + g) * HD + 16 * c) * vset(correction[g]);
           for (int j = skip; j < visible; ++j) {
+            if (spread && r == 0 && g0 == 0 && j < next_n) prefetch_row(knext[j] + head_bytes * kv, vnext[j] + head_bytes * kv);
             const T* vrow = vbase[j] + kv * HD;
             for (int c = 0; c < DV; ++c) {
               const V16 v = vload(vrow + 16 * c);
