@@ -186,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="passed to `llmserve up`")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="passed to `llmserve up`")
     p.add_argument(
         "--no-profile-steps",
         dest="profile_steps",
@@ -473,6 +474,8 @@ def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stam
         cmd += ["--profile-steps"]
     if args.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.block_size is not None:
+        cmd += ["--block-size", str(args.block_size)]
     if args.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     server = _Server(cmd, RESULTS_DIR / f"server-{stamp}.log")
@@ -799,6 +802,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "server_flags": {
             "max_num_seqs": args.max_num_seqs,
+            "block_size": args.block_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "profile_steps": args.profile_steps,
         },
