@@ -92,6 +92,22 @@ inline void head_scores(const T* q, const T* const* keys, float scale, V16* out)
   for (int g = 0; g < GB; ++g) out[g] = vsum16(part[g]) * vset(scale);
 }
 
+#if defined(LLMSERVE_AVX512) && defined(__AVX512BF16__)
+#define LLMSERVE_PAIRED_VALUES 1
+// Word indices that interleave two rows of 32 bfloat16 values a and b: (a0, b0, a1, b1, ...)
+// over their first 16 columns (lo) or their last 16 (hi).
+inline __m512i pair_lo() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35,
+                          3, 34, 2, 33, 1, 32, 0);
+}
+inline __m512i pair_hi() {
+  return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52,
+                          20, 51, 19, 50, 18, 49, 17, 48, 16);
+}
+#else
+#define LLMSERVE_PAIRED_VALUES 0
+#endif
+
 // head_dim = 16 * DV; GB query heads at a time, GB dividing the group size.
 template <typename T, int DV, int GB>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, int q_start, int context,
@@ -118,6 +134,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   const char* vnext[CHUNK];
   const bool spread = heads > 1;
   constexpr int64_t head_bytes = HD * sizeof(T);
+  // A decode's single row would pair each value row for itself alone: it reads them as they are.
+  const bool paired = LLMSERVE_PAIRED_VALUES && std::is_same_v<T, bf16> && DV % 2 == 0 && rows > 1;
   auto prefetch_row = [&](const char* k, const char* v) {  // one head of a key's row (the item's, unless spread)
     for (int64_t b = 0; b < (spread ? 1 : heads) * head_bytes; b += 64) {
       __builtin_prefetch(k + b, 0, 2);
@@ -151,14 +169,34 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
       vnext[j] = reinterpret_cast<const char*>(v_cache + slot * row_stride + static_cast<int64_t>(it.head_begin) * HD);
       if (!spread) prefetch_row(knext[j], vnext[j]);
     }
-    for (int r = 0; r < rows; ++r) {
-      // Row r sees lanes [skip, visible) of the chunk.
-      const int visible = std::min(n, context + it.row_begin + r + 1 - c0);
-      const int skip = std::max(0, first_key(r) - c0);
-      if (visible <= skip) continue;
-      const T* qrow = q + static_cast<int64_t>(q_start + it.row_begin + r) * sh.q_stride + first_q_head * HD;
-      for (int kv = 0; kv < heads; ++kv) {
-        for (int j = 0; j < CHUNK; ++j) kj[j] = kbase[j] + kv * HD;
+    for (int kv = 0; kv < heads; ++kv) {
+      for (int j = 0; j < CHUNK; ++j) kj[j] = kbase[j] + kv * HD;
+#if LLMSERVE_PAIRED_VALUES
+      // This head's values, two keys interleaved per 32-bit lane (once for every row of the
+      // tile): p . V becomes dpbf16 instructions on bfloat16 probabilities, as GPU flash
+      // attention multiplies them, instead of widening every value row to float32 for each
+      // query row.
+      __m512i vp[CHUNK / 2][DV];
+      if (paired) {
+        for (int jp = 0; jp < CHUNK / 2; ++jp) {
+          const T* va = vbase[2 * jp] + kv * HD;
+          const T* vb = vbase[2 * jp + 1] + kv * HD;
+          for (int c2 = 0; c2 < DV / 2; ++c2) {
+            const __m512i ra = _mm512_loadu_si512(va + 32 * c2), rb = _mm512_loadu_si512(vb + 32 * c2);
+            vp[jp][2 * c2] = _mm512_permutex2var_epi16(ra, pair_lo(), rb);
+            vp[jp][2 * c2 + 1] = _mm512_permutex2var_epi16(ra, pair_hi(), rb);
+          }
+          for (int j = 2 * jp; j < 2 * jp + 2 && spread; ++j)
+            if (j < next_n) prefetch_row(knext[j] + head_bytes * kv, vnext[j] + head_bytes * kv);
+        }
+      }
+#endif
+      for (int r = 0; r < rows; ++r) {
+        // Row r sees lanes [skip, visible) of the chunk.
+        const int visible = std::min(n, context + it.row_begin + r + 1 - c0);
+        const int skip = std::max(0, first_key(r) - c0);
+        if (visible <= skip) continue;
+        const T* qrow = q + static_cast<int64_t>(q_start + it.row_begin + r) * sh.q_stride + first_q_head * HD;
         for (int g0 = 0; g0 < sh.group; g0 += GB) {
           const int h = kv * sh.group + g0;  // first of the GB heads, within the row
           const int i0 = r * per_row + h;
@@ -182,12 +220,25 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           V16 a[GB][DV];
           for (int g = 0; g < GB; ++g)
             for (int c = 0; c < DV; ++c) a[g][c] = vload(acc + (i0 + g) * HD + 16 * c) * vset(correction[g]);
-          for (int j = skip; j < visible; ++j) {
-            if (spread && r == 0 && g0 == 0 && j < next_n) prefetch_row(knext[j] + head_bytes * kv, vnext[j] + head_bytes * kv);
-            const T* vrow = vbase[j] + kv * HD;
-            for (int c = 0; c < DV; ++c) {
-              const V16 v = vload(vrow + 16 * c);
-              for (int g = 0; g < GB; ++g) a[g][c] = vfma(vset(p[g][j]), v, a[g][c]);
+#if LLMSERVE_PAIRED_VALUES
+          if (paired) {
+            // Lanes outside [skip, visible) have p = 0 exactly, so every pair can be added.
+            alignas(32) uint32_t pp[GB][CHUNK / 2];
+            for (int g = 0; g < GB; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), bf16_half(vload(p[g])));
+            for (int jp = 0; jp < CHUNK / 2; ++jp)
+              for (int c = 0; c < DV; ++c)
+                for (int g = 0; g < GB; ++g)
+                  a[g][c].v = _mm512_dpbf16_ps(a[g][c].v, (__m512bh)_mm512_set1_epi32(pp[g][jp]), (__m512bh)vp[jp][c]);
+          } else
+#endif
+          {
+            for (int j = skip; j < visible; ++j) {
+              if (spread && r == 0 && g0 == 0 && j < next_n) prefetch_row(knext[j] + head_bytes * kv, vnext[j] + head_bytes * kv);
+              const T* vrow = vbase[j] + kv * HD;
+              for (int c = 0; c < DV; ++c) {
+                const V16 v = vload(vrow + 16 * c);
+                for (int g = 0; g < GB; ++g) a[g][c] = vfma(vset(p[g][j]), v, a[g][c]);
+              }
             }
           }
           for (int g = 0; g < GB; ++g)
