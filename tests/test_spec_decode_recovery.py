@@ -1,0 +1,111 @@
+"""Speculative decoding survives a lost worker group: two real SmolLM2 worker processes serve
+n-gram drafting requests, one is killed (SIGKILL) while they stream, and every output, moved or not,
+is still transformers' greedy output token for token (float32), with drafts kept on both runs.
+
+A sequence carries its n-gram index and its drafting record with it (scheduler_svc/sched/
+draft_state.py); the drafts in flight when the worker died were never verified, so they must be
+dropped with the step, not counted as kept: either mistake shows up as a token that differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.pb.llmserve.v1 import generation_pb2 as pb
+from common.speculative_config import SpeculativeConfig
+from tests.conftest import Generation, Scheduler, collect, request, stop_scheduler
+from tests.test_registration import registry_scheduler, until
+from tests.test_scale_out import Worker, kill, mid_generation, start_worker
+
+NEW_TOKENS = 64
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+SENTENCES = (
+    "Return books within fourteen days.",
+    "Keep your voice down in the reading room.",
+    "Never eat near the rare manuscripts.",
+    "Ask the desk before you copy a map.",
+    "Leave umbrellas by the front door.",
+    "Bring your card to borrow a laptop.",
+)
+
+
+def prompts(model_dir: Path) -> list[list[int]]:
+    """A list of rules quoted three times and begun a fourth: SmolLM2 goes on quoting, and
+    prompt lookup drafts what it writes. Each prompt rotates the rules, so none is another's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for i in range(8):
+        rules = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(3 + i % 3))
+        out.append(tokenizer(f"Rules: {rules} " * 3 + "Rules:")["input_ids"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts(smollm2_dir)
+        ]
+
+
+@pytest.fixture
+async def drafting_groups(smollm2_dir: Path) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
+    s = await registry_scheduler(smollm2_dir, speculative=SPEC)  # type: ignore[arg-type]
+    workers = [start_worker(smollm2_dir, s.port) for _ in range(2)]
+    try:
+        await until(lambda: len(s.engine.replicas) == 2, timeout=120)
+        yield s, workers
+    finally:
+        await stop_scheduler(s)
+        kill(workers)
+
+
+def recovered(s: Scheduler, model_dir: Path) -> float:
+    value = s.server.metrics.registry.get_sample_value(  # type: ignore[attr-defined]
+        "llmserve:requests_recovered_total", {"model_name": model_dir.name}
+    )
+    return float(value or 0.0)
+
+
+def kept(runs: list[Generation]) -> int:
+    return sum(g.final.stats.spec_accepted_tokens for g in runs)
+
+
+@pytest.mark.slow
+async def test_drafting_requests_moved_off_a_killed_worker_still_equal_transformers(
+    smollm2_dir: Path, drafting_groups: tuple[Scheduler, list[Worker]], reference: list[list[int]]
+) -> None:
+    s, workers = drafting_groups
+    reqs = [request(ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts(smollm2_dir)]
+    undisturbed = await asyncio.gather(*(collect(s.stub, r) for r in reqs))
+    assert [g.token_ids for g in undisturbed] == reference
+    assert kept(undisturbed) > 0, "no draft was kept: the test would not exercise verification"
+    assert all(r.scheduler.next_step_id > 0 for r in s.engine.replicas)  # both groups served
+    before = recovered(s, smollm2_dir)
+
+    tasks = [asyncio.create_task(collect(s.stub, r)) for r in reqs]
+    await mid_generation(s, workers[0])
+    workers[0].proc.send_signal(signal.SIGKILL)
+    disturbed = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    assert [g.token_ids for g in disturbed] == reference
+    assert all(g.final.finish_reason == pb.FINISH_REASON_LENGTH for g in disturbed)
+    assert recovered(s, smollm2_dir) - before >= 1, "no request was moved"
+    assert kept(disturbed) > 0
+    assert [r.name for r in s.engine.replicas] == [workers[1].address]
+    await s.wait_idle()  # every block of the surviving group back in its pool
