@@ -85,3 +85,17 @@ def test_bound_and_compare() -> None:
 def test_work_rejects_empty_requests(lengths: list[tuple[int, int]]) -> None:
     with pytest.raises(ValueError):
         roofline.work(roofline.ModelShape.from_config(TINY), lengths, dtype_bytes=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_instruction_peak_is_measured_where_the_cpu_has_the_instruction(dtype: str) -> None:
+    import machine_peaks
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    peak = machine_peaks.instruction_peak(dtype, iters=2_000_000)
+    has = "avx512f" in flags and (dtype == "float32" or "avx512_bf16" in flags)
+    if not has:
+        assert peak is None
+    else:
+        # At least one multiply-add instruction every other cycle of a 1 GHz core.
+        assert peak is not None and peak > (64 if dtype == "bfloat16" else 32) * 0.5e9
