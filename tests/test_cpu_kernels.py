@@ -163,6 +163,22 @@ def test_paged_attention_is_the_same_for_a_sequence_in_any_batch(k: CpuKernels) 
         assert torch.equal(alone[0], full[i])
 
 
+@pytest.mark.parametrize("rows", [2, 5, 7, 8, 17])
+def test_a_verification_query_rounds_each_row_as_its_decode(k: CpuKernels, rows: int) -> None:
+    # Speculative decoding verifies K drafts as one query of K + 1 rows; in bfloat16 each row
+    # must be the very bits a decode at that position gives, or greedy outputs with and without
+    # drafts part at near ties. (Prompts, queries of 33 rows or more, may round otherwise.)
+    q, kc, vc, ids, offsets, starts, seq_lens = _paged_batch([rows], [45], 9, 3, 64, 16, torch.bfloat16)
+    one = torch.ones(1, dtype=torch.int32)
+    query = k.paged_attention(
+        q, kc, vc, ids, offsets, starts[:1], torch.tensor([rows], dtype=torch.int32), seq_lens, 0.125
+    )
+    for r in range(rows):
+        at = torch.tensor([45 + r + 1], dtype=torch.int32)
+        decode = k.paged_attention(q[r : r + 1], kc, vc, ids, offsets, starts[:1], one, at, 0.125)
+        assert torch.equal(decode[0], query[r]), r
+
+
 # Rows of 1, 3 and 40 blocks of 16: the long one a decode, or a chunk after 600 cached tokens.
 LONG_ROWS = {"long decode": [(8, 1), (30, 10), (632, 1)], "long chunk": [(5, 4), (39, 1), (600, 33)]}
 

@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -59,16 +61,25 @@ def start_worker(model_dir: Path, scheduler_port: int) -> Worker:
     return Worker(subprocess.Popen(cmd, cwd=REPO), address)
 
 
-@pytest.fixture
-async def two_groups(tiny_model_dir: Path) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
-    s = await registry_scheduler(tiny_model_dir)
-    workers = [start_worker(tiny_model_dir, s.port) for _ in range(2)]
+@asynccontextmanager
+async def worker_groups(
+    model_dir: Path, count: int = 2, **config: Any
+) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
+    """A registry scheduler (SchedulerConfig(**config)) and `count` worker processes registered with it."""
+    s = await registry_scheduler(model_dir, **config)
+    workers = [start_worker(model_dir, s.port) for _ in range(count)]
     try:
-        await until(lambda: len(s.engine.replicas) == 2, timeout=120)
+        await until(lambda: len(s.engine.replicas) == count, timeout=120)
         yield s, workers
     finally:
         await stop_scheduler(s)
         kill(workers)
+
+
+@pytest.fixture
+async def two_groups(tiny_model_dir: Path) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
+    async with worker_groups(tiny_model_dir) as groups:
+        yield groups
 
 
 def kill(workers: list[Worker]) -> None:

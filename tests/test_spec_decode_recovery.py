@@ -19,9 +19,8 @@ import torch
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.speculative_config import SpeculativeConfig
-from tests.conftest import Generation, Scheduler, collect, request, stop_scheduler
-from tests.test_registration import registry_scheduler, until
-from tests.test_scale_out import Worker, kill, mid_generation, start_worker
+from tests.conftest import Generation, Scheduler, collect, request
+from tests.test_scale_out import Worker, mid_generation, worker_groups
 
 NEW_TOKENS = 64
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -65,14 +64,8 @@ def reference(smollm2_dir: Path) -> list[list[int]]:
 
 @pytest.fixture
 async def drafting_groups(smollm2_dir: Path) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
-    s = await registry_scheduler(smollm2_dir, speculative=SPEC)  # type: ignore[arg-type]
-    workers = [start_worker(smollm2_dir, s.port) for _ in range(2)]
-    try:
-        await until(lambda: len(s.engine.replicas) == 2, timeout=120)
-        yield s, workers
-    finally:
-        await stop_scheduler(s)
-        kill(workers)
+    async with worker_groups(smollm2_dir, speculative=SPEC) as groups:
+        yield groups
 
 
 def recovered(s: Scheduler, model_dir: Path) -> float:

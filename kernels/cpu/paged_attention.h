@@ -43,7 +43,14 @@ constexpr int CHUNK = 16;  // keys per step of the streaming softmax (one V16 of
 struct Item {
   int seq, row_begin, row_end;  // rows relative to the sequence's first query token
   int head_begin, head_end;     // KV heads
+  bool paired;                  // values paired for dpbf16 (bfloat16 with AVX512-BF16 only)
 };
+
+// A query of more rows than this is a prompt or a chunk of one, and pairs values (attend). A
+// shorter one may be a speculative step's verification of K drafts (K + 1 rows), whose rows
+// must round exactly as the decodes they stand for, so that greedy outputs with and without
+// drafts agree: it reads values as a decode does.
+constexpr int PAIRED_MIN_QUERY = 33;
 
 struct Shape {
   int num_kv_heads, group, block_size;
@@ -134,8 +141,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   const char* vnext[CHUNK];
   const bool spread = heads > 1;
   constexpr int64_t head_bytes = HD * sizeof(T);
-  // A decode's single row would pair each value row for itself alone: it reads them as they are.
-  const bool paired = LLMSERVE_PAIRED_VALUES && std::is_same_v<T, bf16> && DV % 2 == 0 && rows > 1;
+  const bool paired = LLMSERVE_PAIRED_VALUES && std::is_same_v<T, bf16> && DV % 2 == 0 && it.paired && rows > 1;
   auto prefetch_row = [&](const char* k, const char* v) {  // one head of a key's row (the item's, unless spread)
     for (int64_t b = 0; b < (spread ? 1 : heads) * head_bytes; b += 64) {
       __builtin_prefetch(k + b, 0, 2);
@@ -309,7 +315,7 @@ int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
     const int q_len = query_lens[s];
     for (int r = 0; r < q_len; r += TILE)
       for (int h = 0; h < num_kv_heads; h += heads_per_item)
-        items.push_back({s, r, std::min(q_len, r + TILE), h, h + heads_per_item});
+        items.push_back({s, r, std::min(q_len, r + TILE), h, h + heads_per_item, q_len >= PAIRED_MIN_QUERY});
   }
   const int64_t scratch_floats = static_cast<int64_t>(TILE) * heads_per_item * sh.group * (head_dim + 2);
   const int count = static_cast<int>(items.size());

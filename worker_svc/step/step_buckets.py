@@ -43,12 +43,17 @@ class Buckets:
 
 
 def gemm_buckets(max_rows: int) -> Buckets:
-    """Row counts for the CPU's GEMMs: every power of two to 16, multiples of 16 to 256, then
-    multiples of 128, up to max_rows. A decode batch pads by at most 15 rows (its GEMMs read
-    the weights once whatever the rows), a long prefill by at most 127."""
-    sizes = [1, 2, 4, 8, *range(16, 257, 16)]
+    """Row counts for the CPU's GEMMs: 2, 4, 8, multiples of 16 to 256, then multiples of 128,
+    up to max_rows. A decode batch pads by at most 15 rows (its GEMMs read the weights once
+    whatever the rows), a long prefill by at most 127.
+
+    Never one row: oneDNN's bfloat16 GEMM of a single row (a matrix-vector kernel) rounds some
+    outputs differently from its kernels for two or more, where a row's result does not depend
+    on the others. A lone decode then gave other bits than the same position verified among a
+    speculative step's rows, and greedy outputs with and without drafts parted at near ties."""
+    sizes = [2, 4, 8, *range(16, 257, 16)]
     sizes += range(384, max(max_rows, 256) + 128, 128)
-    return Buckets(tuple(s for s in sizes if s <= max(max_rows, 1)) or (1,))
+    return Buckets(tuple(s for s in sizes if s <= max(max_rows, 2)))
 
 
 def graph_buckets(max_seqs: int) -> Buckets:
