@@ -152,6 +152,24 @@ def test_a_sequence_whose_drafts_fail_rests() -> None:
     assert 0 < drafted[0.5] < 0.6 * drafted[0.0]
 
 
+def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets() -> None:
+    from types import SimpleNamespace
+
+    from scheduler_svc.sched.draft_state import DraftState
+    from scheduler_svc.sched.drafter import Drafter
+    from scheduler_svc.sched.ngram_index import NgramIndex
+
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.5))
+    seq = SimpleNamespace(draft_state=DraftState(NgramIndex(2, 4, 64)), token_ids=[1] * 100)
+    rests = []
+    for accepted in (0, 0, 0, 16, 0):
+        drafter.record(seq, 16, accepted)  # type: ignore[arg-type]  # one review of 16 drafts
+        rests.append(seq.draft_state.rest_until - len(seq.token_ids))
+        seq.draft_state.rest_until = 0
+    # 64, 128, 256 tokens after three failing reviews; none after a good one, which starts over.
+    assert rests == [64, 128, 256, -100, 64]
+
+
 def test_preemption_under_a_small_pool_keeps_outputs() -> None:
     outputs = {}
     for spec in (None, SPEC):

@@ -16,3 +16,4 @@ class DraftState:
     recent_drafted: int = 0
     recent_accepted: int = 0
     rest_until: int = 0  # no drafts until the sequence holds this many tokens
+    failed_reviews: int = 0  # reviews in a row that found the drafts failing (each rest is longer)

@@ -19,9 +19,10 @@ from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 
 # Drafts between two looks at a sequence's acceptance rate, and tokens it then rests for
-# when the rate was too low.
-_REVIEW_DRAFTS = 32
+# when the rate was too low (doubled for each such look in a row, at most this many times).
+_REVIEW_DRAFTS = 16
 _REST_TOKENS = 64
+_MAX_REST_DOUBLINGS = 4
 # How far back a prompt is indexed at first (scheduler_svc/sched/ngram_index.py).
 _PROMPT_WINDOW = 8192
 # Suffix drafting: a walk stops at a token that followed its context less often than this
@@ -90,7 +91,14 @@ class Drafter:
         state.recent_accepted += accepted
         if state.recent_drafted >= _REVIEW_DRAFTS:
             if state.recent_accepted < self.config.min_acceptance_rate * state.recent_drafted:
-                state.rest_until = len(seq.token_ids) + _REST_TOKENS
+                # Twice as long each time in a row: text that keeps defeating the drafts (a
+                # sampled request that matches its prompt's n-grams by chance) costs a
+                # verification of K + 1 rows a step while it drafts, and gains nothing.
+                rest = _REST_TOKENS << min(state.failed_reviews, _MAX_REST_DOUBLINGS)
+                state.rest_until = len(seq.token_ids) + rest
+                state.failed_reviews += 1
+            else:
+                state.failed_reviews = 0
             state.recent_drafted = state.recent_accepted = 0
 
     def _eligible(self, seq: Sequence) -> bool:
