@@ -54,7 +54,7 @@ def run(
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Every point under each of vLLM's modes, one vLLM process a mode: mode -> point name ->
     {elapsed_s, output_tokens, num_requests, output_tokens_per_s}. A point: (name, concurrency,
-    the requests spec_decode.build_requests made for it)."""
+    the requests spec_workloads.build_requests made for it)."""
     workload = {
         "points": [
             {

@@ -67,9 +67,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disable_log_stats=False,
         speculative_config=args.speculative_config,
     )
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
-
     llm.generate(
         [TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"][:16])],
         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
@@ -77,6 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if points is not None:
         return {"points": [_point(llm, pt) for pt in points], "vllm_version": vllm.__version__}
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

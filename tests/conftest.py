@@ -286,6 +286,15 @@ async def collect(stub: generation_pb2_grpc.GenerationStub, req: pb.GenerateRequ
     return Generation([t for m in messages for t in m.token_ids], "".join(m.text for m in messages), messages)
 
 
+def run_benchmark(script: str | Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A benchmark script run as a user runs it, from the repository root; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def skip_without_cuda() -> pytest.MarkDecorator:
     import torch
 

@@ -6,47 +6,37 @@ back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_a_short_soak_ends_every_request_right(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/chaos.py",
-            "--model",
-            str(tiny_model_dir),
-            "--seconds",
-            "20",
-            "--workers",
-            "2",
-            "--concurrency",
-            "6",
-            "--pool",
-            "4",
-            "--max-tokens",
-            "16",
-            "--gpu-blocks",
-            "24",
-            "--chaos-interval",
-            "3",
-            "--out",
-            str(out),
-            "--results-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    run_benchmark(
+        "benchmarks/chaos.py",
+        "--model",
+        str(tiny_model_dir),
+        "--seconds",
+        "20",
+        "--workers",
+        "2",
+        "--concurrency",
+        "6",
+        "--pool",
+        "4",
+        "--max-tokens",
+        "16",
+        "--gpu-blocks",
+        "24",
+        "--chaos-interval",
+        "3",
+        "--out",
+        str(out),
+        "--results-dir",
+        str(tmp_path),
         timeout=400,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] and result["num_failures"] == 0 and result["leaked_at_end"] == {}
     assert result["requests"] > 10 and sum(result["disruptions"].values()) >= 2

@@ -5,11 +5,9 @@ on SmolLM2, and the KV pool's efficiency; the JSON holds each with sane values."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 LONG = 16384
 
@@ -19,15 +17,7 @@ def test_quick_run_measures_a_long_prompt_its_plans_and_the_pool(tmp_path: Path)
     args = ["--long-tokens", str(LONG), "--chunk", "4096", "--output-tokens", "8", "--context-lens", "512,2048"]
     args += ["--smollm2-lens", "256", "--context-requests", "1", "--short-rows", "31", "--short-tokens", "1024"]
     args += ["--plan-steps", "10", "--kv-requests", "60", "--kv-lens", "16,4096", "--kv-blocks", "1024"]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/long_context.py", *args, "--out", str(out), "--results-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=480,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark("benchmarks/long_context.py", *args, "--out", str(out), "--results-dir", str(tmp_path), timeout=480)
     r = json.loads(out.read_text())
     assert r["model"]["max_position_embeddings"] >= LONG + 8 and r["model"]["head_dim"] == 64
 

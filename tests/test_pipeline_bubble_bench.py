@@ -5,11 +5,9 @@ idle than one plan at a time, and the auto split gives the slow stage fewer laye
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_quick_run_shows_micro_batches_fill_the_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -17,15 +15,7 @@ def test_quick_run_shows_micro_batches_fill_the_pipeline(tiny_model_dir: Path, t
     # Stand-in layers of 2 ms: sleeps well above the scheduler's own work, busy machine or not.
     args = ["--model", str(tiny_model_dir), "--layers", "6", "--layer-ms", "2", "--num-seqs", "24"]
     args += ["--max-tokens", "24", "--out", str(out), "--results-dir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/pipeline_bubble.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_benchmark("benchmarks/pipeline_bubble.py", *args, timeout=300)
     one, n, n_plus_one, slow_even, slow_auto = json.loads(out.read_text())["modes"]
     assert [m["micro_batches"] for m in (one, n, n_plus_one, slow_even, slow_auto)] == [1, 2, 3, 3, 3]
     for mode in (one, n, n_plus_one, slow_even, slow_auto):

@@ -4,34 +4,24 @@ stream against its undisturbed run and writes its JSON."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_quick_run_writes_equal_streams_and_ratios(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/recovery_bench.py",
-            "--model",
-            str(tiny_model_dir),
-            "--quick",
-            "--out",
-            str(out),
-            "--results-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "benchmarks/recovery_bench.py",
+        "--model",
+        str(tiny_model_dir),
+        "--quick",
+        "--out",
+        str(out),
+        "--results-dir",
+        str(tmp_path),
         timeout=300,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["streams_equal"] is True
     assert result["requests_recovered"] >= 1

@@ -106,10 +106,11 @@ async def mid_generation(s: Scheduler, w: Worker) -> None:
         await asyncio.sleep(0.002)
 
 
-def recovered(s: Scheduler) -> float:
-    return s.server.metrics.registry.get_sample_value(  # type: ignore[attr-defined,no-any-return]
-        "llmserve:requests_recovered_total", {"model_name": "tiny-llama"}
+def recovered(s: Scheduler, model_name: str = "tiny-llama") -> float:
+    value = s.server.metrics.registry.get_sample_value(  # type: ignore[attr-defined]
+        "llmserve:requests_recovered_total", {"model_name": model_name}
     )
+    return float(value or 0.0)
 
 
 async def test_a_killed_worker_costs_a_re_prefill_not_a_token_then_a_new_worker_takes_load(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.conftest import run_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scheduler_bench.py"
 PHASES = ("total", "schedule", "build_plan", "encode", "decode", "update")
@@ -22,14 +22,7 @@ def _assert_step_stats(stats: dict, steps: int) -> None:
 
 def test_quick_run_reports_and_leaves_every_block_free(tmp_path: Path) -> None:
     out = tmp_path / "scheduler_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--requests", "200", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_benchmark(str(SCRIPT), "--quick", "--requests", "200", "--out", str(out), timeout=120)
     assert "target <1 ms/step: " in proc.stdout
     result = json.loads(out.read_text())
 

@@ -6,26 +6,16 @@ the streams' own stats."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_quick_run_reports_drafts_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
     args = ["--workloads", "copy,random,sampled", "--concurrency", "1", "--num-requests", "2", "--output-cap", "24"]
     args += ["--retries", "0", "--out", str(out), "--results-dir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/spec_decode.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark("benchmarks/spec_decode.py", *args, timeout=300)
     r = json.loads(out.read_text())
     assert r["benchmark"] == "spec_decode" and r["modes"] == {
         "off": [],

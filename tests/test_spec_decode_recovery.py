@@ -20,7 +20,7 @@ import torch
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.speculative_config import SpeculativeConfig
 from tests.conftest import Generation, Scheduler, collect, request
-from tests.test_scale_out import Worker, mid_generation, worker_groups
+from tests.test_scale_out import Worker, mid_generation, recovered, worker_groups
 
 NEW_TOKENS = 64
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -68,13 +68,6 @@ async def drafting_groups(smollm2_dir: Path) -> AsyncIterator[tuple[Scheduler, l
         yield groups
 
 
-def recovered(s: Scheduler, model_dir: Path) -> float:
-    value = s.server.metrics.registry.get_sample_value(  # type: ignore[attr-defined]
-        "llmserve:requests_recovered_total", {"model_name": model_dir.name}
-    )
-    return float(value or 0.0)
-
-
 def kept(runs: list[Generation]) -> int:
     return sum(g.final.stats.spec_accepted_tokens for g in runs)
 
@@ -89,7 +82,7 @@ async def test_drafting_requests_moved_off_a_killed_worker_still_equal_transform
     assert [g.token_ids for g in undisturbed] == reference
     assert kept(undisturbed) > 0, "no draft was kept: the test would not exercise verification"
     assert all(r.scheduler.next_step_id > 0 for r in s.engine.replicas)  # both groups served
-    before = recovered(s, smollm2_dir)
+    before = recovered(s, smollm2_dir.name)
 
     tasks = [asyncio.create_task(collect(s.stub, r)) for r in reqs]
     await mid_generation(s, workers[0])
@@ -98,7 +91,7 @@ async def test_drafting_requests_moved_off_a_killed_worker_still_equal_transform
 
     assert [g.token_ids for g in disturbed] == reference
     assert all(g.final.finish_reason == pb.FINISH_REASON_LENGTH for g in disturbed)
-    assert recovered(s, smollm2_dir) - before >= 1, "no request was moved"
+    assert recovered(s, smollm2_dir.name) - before >= 1, "no request was moved"
     assert kept(disturbed) > 0
     assert [r.name for r in s.engine.replicas] == [workers[1].address]
     await s.wait_idle()  # every block of the surviving group back in its pool

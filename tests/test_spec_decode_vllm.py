@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import spec_decode, spec_decode_vllm
+from benchmarks import spec_decode_vllm, spec_workloads
 from common.speculative_config import SpeculativeConfig
 from scheduler_svc.text.chat_template import ChatTemplate
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -19,7 +19,7 @@ def test_vllm_gets_the_prompt_ids_our_server_makes(smollm2_dir: Path) -> None:
     ours, template = Tokenizer(smollm2_dir), ChatTemplate.from_dir(smollm2_dir)
     assert template is not None
     for workload in ("copy", "json", "random"):
-        for r in spec_decode.build_requests(workload, 3, 0, 1, hf, None):
+        for r in spec_workloads.build_requests(workload, 3, 0, 1, hf, None):
             ids = spec_decode_vllm.token_ids(r, hf)
             if r.messages:
                 assert ids == ours.encode(template.render(list(r.messages)), False)

@@ -5,39 +5,29 @@ last step, so a step planned ahead that referred to the wrong tokens would fail 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_quick_run_measures_the_idle_gap_of_both_modes(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "overlap.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/step_overlap.py",
-            "--model",
-            str(tiny_model_dir),
-            "--num-seqs",
-            "8",
-            "--step-ms",
-            "5",
-            "--max-tokens",
-            "24",
-            "--out",
-            str(out),
-            "--results-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "benchmarks/step_overlap.py",
+        "--model",
+        str(tiny_model_dir),
+        "--num-seqs",
+        "8",
+        "--step-ms",
+        "5",
+        "--max-tokens",
+        "24",
+        "--out",
+        str(out),
+        "--results-dir",
+        str(tmp_path),
         timeout=300,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     ahead, sync = result["modes"]
     assert ahead["plan_ahead"] and not sync["plan_ahead"]

@@ -4,9 +4,9 @@ step, the constrained one masks every row and the grammars advance, no block lea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.conftest import run_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "structured_output_bench.py"
 PHASES = ("total", "schedule", "build_plan", "fill_masks", "encode", "decode", "update")
@@ -14,14 +14,7 @@ PHASES = ("total", "schedule", "build_plan", "fill_masks", "encode", "decode", "
 
 def test_quick_run_reports_the_overhead_and_leaves_every_block_free(tmp_path: Path) -> None:
     out = tmp_path / "structured_output_bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--num-seqs", "8,32", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_benchmark(str(SCRIPT), "--quick", "--num-seqs", "8,32", "--out", str(out), timeout=120)
     assert "us per step, mean (wall time)" in proc.stdout and "overhead" in proc.stdout
     result = json.loads(out.read_text())
 

@@ -75,7 +75,7 @@ async def test_constrained_outputs_stay_valid_after_their_worker_is_killed_mid_s
     # disturbed run's timing is the workers' alone; and greedy outputs must come out the same.
     undisturbed = await asyncio.wait_for(asyncio.gather(*(collect(s.stub, r) for r in reqs)), timeout=60)
     assert all(r.scheduler.next_step_id > 0 for r in s.engine.replicas)  # both groups served
-    before = recovered(s) or 0.0
+    before = recovered(s)
 
     tasks = [asyncio.create_task(collect(s.stub, r)) for r in reqs]
     victim = workers[0]

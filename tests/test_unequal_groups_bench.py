@@ -4,11 +4,9 @@ times slower, both phases stream every token, and the fast group computes most o
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 def test_quick_run_gives_the_faster_group_the_larger_share(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -16,15 +14,7 @@ def test_quick_run_gives_the_faster_group_the_larger_share(tiny_model_dir: Path,
     args = ["--model", str(tiny_model_dir), "--slowdown", "3", "--clients", "8", "--num-requests", "48"]
     args += ["--step-ms", "6", "--token-ms", "0.5"]  # sleeps well above the scheduler's own work, busy or not
     args += ["--min-tokens", "8", "--max-tokens", "16", "--out", str(out), "--results-dir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/unequal_groups.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_benchmark("benchmarks/unequal_groups.py", *args, timeout=300)
     result = json.loads(out.read_text())
     for phase in ("closed_loop", "burst"):
         groups = result[phase]["groups"]

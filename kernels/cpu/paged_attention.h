@@ -46,8 +46,8 @@ struct Item {
   bool paired;                  // values paired for dpbf16 (bfloat16 with AVX512-BF16 only)
 };
 
-// A query of more rows than this is a prompt or a chunk of one, and pairs values (attend). A
-// shorter one may be a speculative step's verification of K drafts (K + 1 rows), whose rows
+// A query of at least this many rows is a prompt or a chunk of one, and pairs values (attend).
+// A shorter one may be a speculative step's verification of K drafts (K + 1 rows), whose rows
 // must round exactly as the decodes they stand for, so that greedy outputs with and without
 // drafts agree: it reads values as a decode does.
 constexpr int PAIRED_MIN_QUERY = 33;
