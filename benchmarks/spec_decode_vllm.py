@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import throughput as tput
+from common.speculative_config import SpeculativeConfig
 
-# Ours: common/speculative_config.py's defaults, which `--speculative-method ngram` uses.
-PROMPT_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# The n-gram lengths `--speculative-method ngram` drafts with: SpeculativeConfig's defaults.
+_OURS = SpeculativeConfig()
+PROMPT_LOOKUP = {"prompt_lookup_min": _OURS.prompt_lookup_min, "prompt_lookup_max": _OURS.prompt_lookup_max}
 
 
 def token_ids(request: Any, tokenizer: Any) -> list[int]:
