@@ -287,13 +287,20 @@ def test_close_and_finalizer_leave_no_process_and_no_directory(model_dir: Path) 
     assert _descendants() <= before
 
 
-def test_a_worker_that_cannot_start_is_an_error_and_leaves_nothing(model_dir: Path, tmp_path: Path) -> None:
+def test_a_worker_that_cannot_start_is_an_error_and_leaves_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     broken = tmp_path / "no-weights"
     broken.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, broken / name)
-    before, dirs = _descendants(), set(Path(tempfile.gettempdir()).glob("llmserve-llm-*"))
+    # The engine's private directory goes into a temp dir of this test's own (short, for the
+    # unix sockets in it): an LLM another test process makes meanwhile cannot count as left over.
+    own = Path(tempfile.mkdtemp(prefix="t"))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    before, dirs = _descendants(), set(own.glob("llmserve-llm-*"))
     with pytest.raises(RuntimeError, match="worker exited with code 2 before it was ready"):
         LLM(str(broken), **ENGINE)
     assert _descendants() <= before
-    assert set(Path(tempfile.gettempdir()).glob("llmserve-llm-*")) <= dirs
+    assert set(own.glob("llmserve-llm-*")) <= dirs
+    own.rmdir()
