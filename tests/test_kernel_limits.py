@@ -41,7 +41,7 @@ def test_shapes_must_be_positive() -> None:
 def test_the_limit_of_a_checkpoint_is_its_whole_shape() -> None:
     from transformers import LlamaConfig
 
-    from worker_svc.step.runner_setup import triton_token_limit
+    from worker_svc.step.loader import triton_token_limit
 
     config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336)
     assert triton_token_limit(config) == max_tokens_per_step(**LLAMA3_8B)

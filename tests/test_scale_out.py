@@ -36,7 +36,7 @@ class Worker:
     address: str  # also its group name: a worker registers under its advertised address
 
 
-def start_worker(model_dir: Path, scheduler_port: int) -> Worker:
+def start_worker(model_dir: Path, scheduler_port: int, *extra: str) -> Worker:
     address = f"127.0.0.1:{free_port()}"
     cmd = [
         sys.executable,
@@ -57,17 +57,19 @@ def start_worker(model_dir: Path, scheduler_port: int) -> Worker:
         "128",
         "--scheduler",
         f"127.0.0.1:{scheduler_port}",
+        *extra,
     ]
     return Worker(subprocess.Popen(cmd, cwd=REPO), address)
 
 
 @asynccontextmanager
 async def worker_groups(
-    model_dir: Path, count: int = 2, **config: Any
+    model_dir: Path, count: int = 2, worker_flags: tuple[str, ...] = (), **config: Any
 ) -> AsyncIterator[tuple[Scheduler, list[Worker]]]:
-    """A registry scheduler (SchedulerConfig(**config)) and `count` worker processes registered with it."""
+    """A registry scheduler (SchedulerConfig(**config)) and `count` worker processes registered
+    with it, started with `worker_flags` too."""
     s = await registry_scheduler(model_dir, **config)
-    workers = [start_worker(model_dir, s.port) for _ in range(count)]
+    workers = [start_worker(model_dir, s.port, *worker_flags) for _ in range(count)]
     try:
         await until(lambda: len(s.engine.replicas) == count, timeout=120)
         yield s, workers

@@ -27,7 +27,7 @@ from common.config import (
 )
 from common.grpc.ports import check_free
 from common.worker_info import MAX_NAME_LENGTH
-from llmserve.cli.speculative_flags import speculative_config
+from llmserve.cli.speculative_flags import draft_model_dir, speculative_config
 from llmserve.gateway import GatewayConfig, KubernetesDiscovery, dial_address, parse_alias
 
 
@@ -238,6 +238,7 @@ def worker_config(a: argparse.Namespace, model: str) -> WorkerConfig:
         pp_layer_split=layer_counts(a.pp_layer_split),
         pp_layer_split_auto=a.pp_layer_split == "auto",
         lora=LoraConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if lora_enabled(a) else None,
+        speculative_model=draft_model_dir(a) or "",
     )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ATTENTION_BACKENDS, DIST_BACKENDS, DTYPES, PREEMPTION_MODES
-from llmserve.cli.speculative_flags import add_speculative_flags
+from llmserve.cli.speculative_flags import add_draft_model_flag, add_speculative_flags
 from llmserve.gateway import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 
 
@@ -38,9 +38,7 @@ def at_most_one(text: str) -> float:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2-135M-Instruct)"
-    )
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the prepared SmolLM2)")
 
 
 def add_served_name_flag(p: argparse.ArgumentParser, several: bool) -> None:
@@ -200,6 +198,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = bfloat16 where fast, else float32")
     p.add_argument("--device", default="auto", help="auto (cuda:0 if present, else cpu), cpu, cuda:N")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    add_draft_model_flag(p)
     p.add_argument(
         "--max-model-len",
         type=int,

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from common.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
+from common.speculative_config import METHOD_ALIASES, SPECULATIVE_METHODS, SpeculativeConfig
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -23,11 +23,32 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-method",
         choices=SPECULATIVE_METHODS,
         default=None,
-        help="draft tokens for the workers to verify: ngram = prompt lookup in the request's own tokens (default: off)",
+        help="draft tokens for the workers to verify: ngram = prompt lookup in the request's own tokens, suffix = "
+        "frequent continuations of its tokens and earlier outputs, draft = a smaller model (--speculative-model) "
+        "(default: off)",
     )
     p.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="draft tokens per sequence and step (default 4)"
     )
+
+
+def add_draft_model_flag(p: argparse.ArgumentParser) -> None:
+    """A worker's: `up` and the offline LLM pass it on to the workers they start."""
+    p.add_argument(
+        "--speculative-model",
+        default=None,
+        help="speculative decoding's draft model (a directory; same vocabulary): the worker runs it beside the "
+        "model, with a KV cache of as many blocks, and proposes each drafting sequence's next drafts with it",
+    )
+
+
+def draft_model_dir(a: argparse.Namespace) -> str | None:
+    """The draft model the workers load: the speculative settings' (`up`, the offline LLM),
+    else a lone worker's --speculative-model."""
+    if hasattr(a, "speculative_config"):
+        config = speculative_config(a)
+        return config.model if config is not None else None
+    return getattr(a, "speculative_model", None)
 
 
 def speculative_config(a: argparse.Namespace) -> SpeculativeConfig | None:
@@ -48,6 +69,14 @@ def speculative_config(a: argparse.Namespace) -> SpeculativeConfig | None:
             )
     if a.speculative_method:
         settings["method"] = a.speculative_method
+    draft_model = getattr(a, "speculative_model", None)  # a worker flag: `scheduler` has none
+    if draft_model:
+        settings["model"] = draft_model
+    if "model" in settings:
+        settings.setdefault("method", "draft")  # vLLM infers it from the model too
+    method = settings.get("method")
+    if isinstance(method, str):
+        settings["method"] = METHOD_ALIASES.get(method, method)
     if a.num_speculative_tokens is not None:
         settings["num_speculative_tokens"] = a.num_speculative_tokens
     if not settings:

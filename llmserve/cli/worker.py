@@ -22,6 +22,7 @@ from typing import Any
 from common.config import AuthConfig
 from llmserve.cli import configs
 from llmserve.cli.commands import serve
+from llmserve.cli.speculative_flags import draft_model_dir
 from llmserve.supervisor import exit_with_parent
 
 
@@ -71,6 +72,9 @@ def worker_args(a: argparse.Namespace, model: str) -> list[str]:
             cmd += [flag, str(value)]
     if a.no_reflection:
         cmd += ["--no-reflection"]
+    draft = draft_model_dir(a)
+    if draft:
+        cmd += ["--speculative-model", draft]
     if a.profile_steps:
         cmd += ["--profile-steps"]
     if a.enforce_eager:

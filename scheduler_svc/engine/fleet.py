@@ -356,4 +356,7 @@ class Fleet:
                 f"worker's LoRA slots hold rank {info.max_lora_rank}, this scheduler accepts adapters up to rank "
                 f"{self.config.max_lora_rank}; start it with --max-lora-rank {self.config.max_lora_rank}"
             )
+        speculative = self.config.speculative
+        if speculative is not None and speculative.method == "draft" and not info.draft_model:
+            return "worker has no draft model and this scheduler drafts with one; start it with --speculative-model DIR"
         return None

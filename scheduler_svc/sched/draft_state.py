@@ -1,8 +1,9 @@
-"""What the drafter keeps of one sequence: its n-gram index and how its drafts have done."""
+"""What the drafter keeps of one sequence: its n-gram index (or the draft model's last
+proposals) and how its drafts have done."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.sched.ngram_index import NgramIndex
 from scheduler_svc.sched.suffix_index import SuffixIndex
@@ -10,10 +11,14 @@ from scheduler_svc.sched.suffix_index import SuffixIndex
 
 @dataclass
 class DraftState:
-    index: NgramIndex | SuffixIndex
+    index: NgramIndex | SuffixIndex | None  # None: a draft model proposes
     drafted: int = 0
     accepted: int = 0
     recent_drafted: int = 0
     recent_accepted: int = 0
     rest_until: int = 0  # no drafts until the sequence holds this many tokens
     failed_reviews: int = 0  # reviews in a row that found the drafts failing (each rest is longer)
+    # The draft model's proposals, good while the sequence holds proposed_at tokens (they
+    # continue its last one).
+    proposed: list[int] = field(default_factory=list)
+    proposed_at: int = -1

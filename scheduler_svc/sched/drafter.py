@@ -3,7 +3,9 @@ how well their drafts have done.
 
 Drafting happens while the step is planned, on the CPU the scheduler already spends there,
 from tokens the scheduler already holds; the worker only verifies (worker_svc/sampling/
-draft_verifier.py). A sequence drafts only where verification keeps outputs exactly as they
+draft_verifier.py). With a draft model ("draft") the worker also proposes: a step asks it for a
+sequence's next drafts (Sequence.propose, with blocks reserved that far), its result brings
+them, and the next step verifies them. A sequence drafts only where verification keeps outputs exactly as they
 would be: plain greedy or random sampling, no logit processing (bias, penalties, min_tokens
 bans, a grammar's mask), no alternatives or prompt scores, one sequence in its group.
 """
@@ -50,22 +52,42 @@ class Drafter:
         k = min(self.config.num_speculative_tokens, budget - 1, seq.token_limit - len(seq.token_ids) - 1)
         if k <= 0 or not self._eligible(seq):
             return []
-        state = seq.draft_state
-        if state is None:
-            c = self.config
-            index = (
-                SuffixIndex(c.prompt_lookup_max)
-                if self.shared is not None
-                else NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, _PROMPT_WINDOW)
-            )
-            state = seq.draft_state = DraftState(index)
+        state = self._state(seq)
         if len(seq.token_ids) < state.rest_until:
             return []
+        if state.index is None:  # the draft model's, if they continue the sequence as it is now
+            return state.proposed[:k] if state.proposed_at == len(seq.token_ids) else []
         if isinstance(state.index, NgramIndex):
             return state.index.propose(seq.token_ids, k)
         state.index.follow(seq.token_ids, _PROMPT_WINDOW)
         assert self.shared is not None
         return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
+
+    def lookahead(self, seq: Sequence, end: int) -> int:
+        """A draft model: how many tokens to ask it for after a step that feeds `seq` up to
+        position `end` and samples (0: none), within the sequence's limit."""
+        if self.config.method != "draft" or not self._eligible(seq):
+            return 0
+        if len(seq.token_ids) < self._state(seq).rest_until:
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, seq.token_limit - end - 1))
+
+    def proposed(self, seq: Sequence, tokens: list[int]) -> None:
+        """The draft model's proposals for `seq` after the step just applied."""
+        state = self._state(seq)
+        state.proposed, state.proposed_at = tokens, len(seq.token_ids)
+
+    def _state(self, seq: Sequence) -> DraftState:
+        state = seq.draft_state
+        if state is None:
+            c = self.config
+            index: NgramIndex | SuffixIndex | None = None
+            if self.shared is not None:
+                index = SuffixIndex(c.prompt_lookup_max)
+            elif c.method == "ngram":
+                index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, _PROMPT_WINDOW)
+            state = seq.draft_state = DraftState(index)
+        return state
 
     def finished(self, seq: Sequence) -> None:
         """Suffix drafting: count a finished sequence's output (after the end of its prompt)

@@ -91,6 +91,9 @@ class PlanBuilder:
         draft_lens = np.array([len(s.draft) for s in seqs], dtype=np.int32) if self.speculative else _NONE_I32
         if draft_lens.size and not draft_lens.any():
             draft_lens = _NONE_I32
+        propose_lens = np.array([s.propose for s in seqs], dtype=np.int32) if self.speculative else _NONE_I32
+        if propose_lens.size and not propose_lens.any():
+            propose_lens = _NONE_I32
         # A row's drafts sit past its tokens: it samples when they end where its tokens do.
         sample = (ends == num_tokens + draft_lens if draft_lens.size else ends == num_tokens).astype(np.uint8)
         bias = _bias(seqs, [i for i in self._biased if sample[i]], n)
@@ -104,8 +107,11 @@ class PlanBuilder:
             query_lens=q,
             context_lens=context_lens,
             input_ids=input_ids,
-            # A sequence fed up to position e owns exactly ceil(e / block_size) blocks.
-            block_tables=bm.tables_at(st["rows"], -(-ends // bm.block_size)),
+            # A sequence fed up to position e owns exactly ceil(e / block_size) blocks, and those
+            # its draft model's proposing writes past e.
+            block_tables=bm.tables_at(
+                st["rows"], -(-(ends + propose_lens if propose_lens.size else ends) // bm.block_size)
+            ),
             sample=sample,
             sampling=SamplingBatch(
                 temperature=st["temperature"],
@@ -134,6 +140,7 @@ class PlanBuilder:
             adapter_loads=self.slots.take_loads(),
             lora_slots=st["lora_slots"],
             draft_lens=draft_lens,
+            propose_lens=propose_lens,
         )
 
 

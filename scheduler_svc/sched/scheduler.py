@@ -217,7 +217,7 @@ class Scheduler:
         for record in self._in_flight:
             for seq in record.seqs:
                 seq.pending = 0  # lost with the worker; computed again elsewhere
-                seq.draft = []
+                seq.draft, seq.propose = [], 0
         self._in_flight.clear()
         self.block_manager.take_ops()
         return groups
@@ -286,6 +286,8 @@ class Scheduler:
             return False  # its samples' copies of the shared block could run the pool short
         if record.advanced:
             return self._planner.running_need() <= self.block_manager.num_free_blocks
+        if record.plan.propose_lens.size:
+            return False  # the draft model's proposals come with its result: the next drafts
         if self.drafter is not None and len(queues.running) <= self.drafter.config.disable_by_batch_size:
             # A sequence drafts only from known tokens, never past a token in flight. So a
             # plan with drafts waits for its result (how many are kept decides where the next

@@ -118,8 +118,10 @@ class Sequence:
     grammar: Grammar | None = field(default=None, repr=False)
     # Speculative decoding (scheduler_svc/sched/drafter.py): the draft tokens the step being
     # planned feeds after the last token (cleared when its result is applied), and the
-    # drafter's record of this sequence.
+    # drafter's record of this sequence; with a draft model, how many tokens the step being
+    # planned asks it to propose after it (its blocks reach that far).
     draft: list[int] = field(default_factory=list, repr=False)
+    propose: int = field(default=0, repr=False)
     draft_state: DraftState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

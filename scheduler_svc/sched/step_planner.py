@@ -127,6 +127,8 @@ class StepPlanner:
         # A step that had to preempt admits nothing, unless nothing else would run at all.
         if not preempted or not seqs:
             self._admit(budget, seqs, query_lens, step_id)
+        if drafter is not None and drafter.config.method == "draft":
+            self._lookahead(drafter, seqs, query_lens)
         return seqs, query_lens
 
     def _draft(self, drafter: Drafter, seq: Sequence, budget: int) -> bool:
@@ -139,6 +141,21 @@ class StepPlanner:
         self.bm.allocate(seq.seq_id, end, seq.num_computed_tokens)
         seq.draft = draft
         return True
+
+    def _lookahead(self, drafter: Drafter, seqs: list[Sequence], query_lens: list[int]) -> None:
+        """A draft model proposes after the step for each row that samples and may draft: its
+        blocks then reach as far as the proposing writes the draft model's cache. Where they
+        do not fit, the row proposes nothing (no preemption for drafts)."""
+        bm = self.bm
+        for seq, q in zip(seqs, query_lens):
+            c = seq.num_computed_tokens
+            end = c + q
+            if seq.pending or end != len(seq.token_ids) + len(seq.draft):
+                continue  # a prompt chunk before its last, or a row behind a token in flight
+            k = drafter.lookahead(seq, end)
+            if k and bm.can_allocate(seq.seq_id, end + k, c):
+                bm.allocate(seq.seq_id, end + k, c)
+                seq.propose = k
 
     def _take(self, rows: list[tuple[Sequence, int]], seqs: list[Sequence], query_lens: list[int]) -> int:
         """Allocate the rows' blocks and add them to the step; returns the tokens they feed."""

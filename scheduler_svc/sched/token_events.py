@@ -120,7 +120,24 @@ class ResultApplier:
             events.append(TokenEvent(group, seq, token, logprob, reason, ended, top))
         for group, rows in beam_rows.items():
             events.extend(self._beam_step(group, [seqs[i] for i in rows], result, rows))
+        if plan.propose_lens.size:
+            self._take_proposals(seqs, plan, result)
         return events
+
+    def _take_proposals(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> None:
+        """The draft model's proposals, kept for the next step's drafts; the blocks the proposing
+        wrote past each sequence's tokens go back (the next step takes what it verifies)."""
+        bm = self.queues.block_manager
+        proposals = result.draft_proposals.tolist()
+        at = 0
+        for seq, n in zip(seqs, plan.propose_lens.tolist()):
+            if not n:
+                continue
+            tokens, at = proposals[at : at + n], at + n
+            seq.propose = 0
+            if seq.status is SequenceStatus.RUNNING and self.drafter is not None:
+                bm.trim(seq.seq_id, bm.blocks_for(seq.num_computed_tokens))
+                self.drafter.proposed(seq, tokens)
 
     def _apply_drafted(
         self, seq: Sequence, group: SequenceGroup, c: int, token: int, logprob: float, accepted: int, lps: list[float]

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from kernels.limits import max_tokens_per_step
 from worker_svc.device.cpu_features import cpu_has_fast_bf16
 from worker_svc.device.parallel import SINGLE, ParallelGroup
 from worker_svc.device.pipeline import PipelineStage
@@ -82,6 +83,20 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, Loaded]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_slice(name)
+
+
+def triton_token_limit(hf_config: Any) -> int:
+    """kernels.limits.max_tokens_per_step for a checkpoint's whole shape (a rank's share
+    only raises the limit, so the whole model's is safe for every tensor-parallel size)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(text.num_attention_heads)
+    return max_tokens_per_step(
+        hidden_size=int(text.hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=head_dim_of(hf_config),
+        intermediate_size=int(text.intermediate_size),
+    )
 
 
 def resolve_attention_backend(

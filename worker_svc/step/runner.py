@@ -89,6 +89,25 @@ class ModelRunner(RunnerSetup):
             or (s.prompt_logprobs.size and (s.prompt_logprobs[drafted] >= 0).any())
         ):
             raise PlanError("draft tokens for a sequence with logit processing, alternatives or prompt scores")
+        self._check_proposals(plan, ends)
+
+    def _check_proposals(self, plan: StepPlan, ends: np.ndarray) -> None:
+        """Rows that propose: a draft model to propose with, and table and positions for it."""
+        asked = plan.propose_lens
+        if not (asked.size and asked.any()):
+            return
+        if self.draft is None:
+            raise PlanError("a plan asks for draft proposals, and this worker has no draft model (--speculative-model)")
+        reach = ends + asked
+        if int(reach.max()) > self.max_model_len:
+            raise PlanError(f"proposals past the model's context of {self.max_model_len}")
+        rows = np.flatnonzero(asked)
+        needed = -(-reach[rows] // self.block_size)
+        if bool((plan.block_tables.lens[rows] < needed).any()):
+            raise PlanError("block tables too short for the proposals asked")
+        ids = plan.block_tables.take(rows, needed).ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_blocks:
+            raise PlanError(f"block id outside the cache of {self.kv.num_blocks} blocks")
 
     def _check_lora(self, plan: StepPlan) -> None:
         if self.lora is None:
@@ -203,6 +222,8 @@ class ModelRunner(RunnerSetup):
             self.kv.swap_out(plan.swap_out)
             self.kv.swap_in(plan.swap_in)
             self.kv.copy(plan.copy)
+            if self.draft is not None:
+                self.draft.block_ops(plan)
             if adapters and self.lora is not None:
                 self.lora.apply(adapters)
             sampled = np.full(plan.num_seqs, -1, dtype=np.int32)
@@ -223,6 +244,9 @@ class ModelRunner(RunnerSetup):
                 hidden = graphs.run(staged)  # type: ignore[union-attr]
             else:
                 hidden = self.model(input_ids, positions, self.kv.layers, meta)
+        if self.draft is not None:
+            with self._section("draft"):
+                self.draft.follow(input_ids, positions, meta)
         if not self.stage.is_last:
             # Its result carries no tokens (the last stage's is the group's) and paces nothing:
             # the stage is free for the next micro-batch as soon as its hidden states are sent.
@@ -256,6 +280,9 @@ class ModelRunner(RunnerSetup):
             if not self.stage.pipelined:  # a pipeline's plans name no token in flight
                 done = np.flatnonzero(plan.sample)
                 self._last_sampled = dict(zip(plan.seq_ids[done].tolist(), sampled[done].tolist()))
+        if plan.propose_lens.size and plan.propose_lens.any():
+            with self._section("draft"):
+                spec_fields["draft_proposals"] = self._propose(plan, sampled, spec_fields.get("num_accepted"))
         prompt: dict[str, np.ndarray] = {}
         if s.prompt_logprobs.size and int(s.prompt_logprobs.max()) >= 0:
             fields = ("prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")
@@ -283,6 +310,18 @@ class ModelRunner(RunnerSetup):
         drafts = np.concatenate([plan.input_ids[e - d : e] for e, d in zip(ends.tolist(), lens.tolist())])
         logits = self.model.compute_logits(hidden.index_select(0, to_device(positions, self.device)), upcast=False)
         return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels)
+
+    def _propose(self, plan: StepPlan, sampled: np.ndarray, accepted: np.ndarray | None) -> np.ndarray:
+        """The draft model's proposals for the rows that ask, from the token each just sampled,
+        which sits after the fed tokens less the rejected drafts."""
+        assert self.draft is not None
+        rows = np.flatnonzero(plan.propose_lens)
+        at = plan.context_lens[rows].astype(np.int64) + plan.query_lens[rows]
+        if accepted is not None:
+            at -= plan.draft_lens[rows] - accepted[rows]
+        pad = self._gemm_buckets.pad if self._gemm_buckets is not None else None
+        tables = plan.block_tables.take(rows)
+        return self.draft.propose(sampled[rows], at, tables, plan.propose_lens[rows], pad)
 
     def _sample(self, logits: torch.Tensor, s: SamplingBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logsumexp) of the sampled rows' raw logits [len(rows), vocab]."""

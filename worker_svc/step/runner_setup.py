@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from typing import Any
 
 import structlog
 import torch
@@ -23,7 +22,6 @@ from common.model_spec import served_context
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
 from kernels.fused_moe import BLOCK_M, moe_block_m_tokens
-from kernels.limits import max_tokens_per_step
 from kernels.paged_attention import MERGE_PADS, decode_shapes, decode_workspace
 from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device, dist_backend
 from worker_svc.device.pipeline import PipelineStage
@@ -33,6 +31,7 @@ from worker_svc.lora.lora_slots import LoraSlots
 from worker_svc.step import host_memory, kv_cache
 from worker_svc.step.cuda_graphs import DecodeGraphs
 from worker_svc.step.device_memory import kv_budget, reserved_growth, workspace_bytes
+from worker_svc.step.draft_model import DraftModel
 from worker_svc.step.host_allocator import keep_freed_memory
 from worker_svc.step.kv_cache import KVCache
 from worker_svc.step.loader import (
@@ -42,6 +41,7 @@ from worker_svc.step.loader import (
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
+    triton_token_limit,
 )
 from worker_svc.step.probe_plans import (
     decode_step,
@@ -56,20 +56,6 @@ from worker_svc.step.step_buckets import Buckets, gemm_buckets, graph_buckets
 from worker_svc.step.step_profile import StepProfile
 
 log = structlog.get_logger(__name__)
-
-
-def triton_token_limit(hf_config: Any) -> int:
-    """kernels.limits.max_tokens_per_step for a checkpoint's whole shape (a rank's share
-    only raises the limit, so the whole model's is safe for every tensor-parallel size)."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    heads = int(text.num_attention_heads)
-    return max_tokens_per_step(
-        hidden_size=int(text.hidden_size),
-        num_heads=heads,
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=head_dim_of(hf_config),
-        intermediate_size=int(text.intermediate_size),
-    )
 
 
 class RunnerSetup(ABC):
@@ -109,6 +95,7 @@ class RunnerSetup(ABC):
         self.stage = self.model.stage
         if self.stage.pipelined and config.lora is not None:
             raise ValueError("--enable-lora with --pp is not supported yet: serve adapters with --tp alone")
+        self.draft = self._load_draft() if config.speculative_model else None
         self._cpu_kernels = cpu_kernels_for(self.attention_backend)
         # Adapter slots before the KV cache is sized: on CUDA the profile then counts them.
         self.lora = (
@@ -145,6 +132,8 @@ class RunnerSetup(ABC):
             tokens=num_blocks * self.block_size,
             gib=round(self.kv.nbytes / kv_cache.GIB, 3),
         )
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, self.block_size, self.kv.num_cpu_blocks)
         log.info(
             "swap_pool_allocated",
             num_blocks=self.kv.num_cpu_blocks,
@@ -155,6 +144,12 @@ class RunnerSetup(ABC):
         if self._warms_up():
             self._warm_up()
         self._graphs = self._capture_graphs() if self._use_graphs() else None
+
+    def _load_draft(self) -> DraftModel:
+        if self.group.world_size > 1 or self.stage.pipelined:
+            raise ValueError("--speculative-model with --tp or --pp is not supported yet: a draft model needs one rank")
+        path, vocab = self.config.speculative_model, self.model.shape.vocab_size
+        return DraftModel(path, self.dtype, self.device, self.attention_backend, vocab, self.max_model_len)
 
     @property
     def _layers(self) -> int:
@@ -240,6 +235,7 @@ class RunnerSetup(ABC):
             and not (self.group.world_size > 1 and dist_backend(self.config.dist_backend, self.device) == "gloo")
             # Nor do the stages' sends and receives (eager until they are captured too).
             and not self.stage.pipelined
+            and self.draft is None  # its steps run both models, eagerly
         )
 
     def _captured_graphs(self, buckets: Buckets) -> tuple[DecodeGraphs, int]:
@@ -289,6 +285,7 @@ class RunnerSetup(ABC):
             pipeline_stages=self.stage.num_stages,
             max_loras=self.lora.max_loras if self.lora is not None else 0,
             max_lora_rank=self.config.lora.max_lora_rank if self.config.lora is not None else 0,
+            draft_model=self.draft.name if self.draft is not None else "",
         )
 
     # ---- capacity ----
@@ -303,7 +300,12 @@ class RunnerSetup(ABC):
             budget = host_memory.default_cpu_kv_bytes(host_memory.available_bytes())
         else:
             budget = self._profile_cuda_budget()
-        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype, self._layers)
+        return self._blocks_in(budget)
+
+    def _blocks_in(self, budget: float) -> int:
+        """Blocks of the model's cache and, with a draft model, of its cache beside it."""
+        one = kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype, self._layers)
+        return max(0, int(budget // (one + (self.draft.block_bytes(self.block_size) if self.draft else 0))))
 
     def _swap_capacity(self) -> int:
         """Host blocks for preempted sequences; 0 turns swapping off."""
@@ -314,7 +316,7 @@ class RunnerSetup(ABC):
             budget = cache.swap_space_gb * kv_cache.GIB
         else:
             budget = host_memory.default_swap_bytes(self.device.type, host_memory.available_bytes())
-        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype, self._layers)
+        return self._blocks_in(budget)
 
     def _profiles_memory(self) -> bool:
         return self.device.type == "cuda"

@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks", "block_bytes", "max_loras", "max_lora_rank", "pipeline_stages")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_gpu_blocks", "num_cpu_blocks", "block_bytes", "max_loras", "max_lora_rank", "pipeline_stages", "draft_model")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class WorkerInfo(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -40,7 +41,8 @@ class WorkerInfo(_message.Message):
     max_loras: int
     max_lora_rank: int
     pipeline_stages: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pipeline_stages: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pipeline_stages: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class AdapterLoad(_message.Message):
     __slots__ = ("slot", "name", "path", "version")
@@ -105,7 +107,7 @@ class SamplingBatch(_message.Message):
     def __init__(self, temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., output_position: _Optional[bytes] = ..., num_logprobs: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., bias_offsets: _Optional[bytes] = ..., bias_token_ids: _Optional[bytes] = ..., bias_values: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_next_token: _Optional[bytes] = ..., mask_rows: _Optional[bytes] = ..., token_masks: _Optional[bytes] = ..., token_mask_words: _Optional[int] = ..., mask_sparse: _Optional[bytes] = ..., mask_id_offsets: _Optional[bytes] = ..., mask_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_ids", "block_offsets", "sample", "sampling", "swap_out", "swap_in", "copy", "adapter_loads", "lora_slots", "draft_lens")
+    __slots__ = ("step_id", "seq_ids", "query_lens", "context_lens", "input_ids", "block_ids", "block_offsets", "sample", "sampling", "swap_out", "swap_in", "copy", "adapter_loads", "lora_slots", "draft_lens", "propose_lens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class StepPlan(_message.Message):
     ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_LENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     query_lens: bytes
@@ -136,10 +139,11 @@ class StepPlan(_message.Message):
     adapter_loads: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
     lora_slots: bytes
     draft_lens: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., block_offsets: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., lora_slots: _Optional[bytes] = ..., draft_lens: _Optional[bytes] = ...) -> None: ...
+    propose_lens: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., block_offsets: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., swap_out: _Optional[bytes] = ..., swap_in: _Optional[bytes] = ..., copy: _Optional[bytes] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., lora_slots: _Optional[bytes] = ..., draft_lens: _Optional[bytes] = ..., propose_lens: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds", "num_accepted", "draft_logprobs")
+    __slots__ = ("step_id", "sampled_token_ids", "execute_seconds", "logprobs", "top_token_ids", "top_logprobs", "top_width", "prompt_offsets", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_width", "part_seconds", "num_accepted", "draft_logprobs", "draft_proposals")
     class PartSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,7 @@ class StepResult(_message.Message):
     PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     execute_seconds: float
@@ -177,4 +182,5 @@ class StepResult(_message.Message):
     part_seconds: _containers.ScalarMap[str, float]
     num_accepted: bytes
     draft_logprobs: bytes
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ..., part_seconds: _Optional[_Mapping[str, float]] = ..., num_accepted: _Optional[bytes] = ..., draft_logprobs: _Optional[bytes] = ...) -> None: ...
+    draft_proposals: bytes
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_width: _Optional[int] = ..., prompt_offsets: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_token_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., prompt_top_width: _Optional[int] = ..., part_seconds: _Optional[_Mapping[str, float]] = ..., num_accepted: _Optional[bytes] = ..., draft_logprobs: _Optional[bytes] = ..., draft_proposals: _Optional[bytes] = ...) -> None: ...
