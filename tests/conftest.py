@@ -98,6 +98,23 @@ def make_tiny_model(
     return out
 
 
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy float32 continuation of each prompt, `new_tokens` long (no EOS stop):
+    the reference outputs are compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)

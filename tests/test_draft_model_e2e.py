@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.draft_models import truncated
 from llmserve import LLM, SamplingParams
+from tests.conftest import transformers_greedy
 
 NEW_TOKENS = 24
 ENGINE = {"dtype": "float32", "device": "cpu", "max_num_seqs": 8}
@@ -26,17 +27,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts()
-        ]
+    return transformers_greedy(tiny_model_dir, prompts(), NEW_TOKENS)
 
 
 def generate(llm: LLM, params: SamplingParams) -> list[list[int]]:

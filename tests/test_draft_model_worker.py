@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import CacheConfig, WorkerConfig
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, transformers_greedy
 from tests.plans import Feed, make_plan
 from worker_svc.step.draft_model import DraftModel
 from worker_svc.step.runner import ModelRunner, PlanError
@@ -24,22 +23,10 @@ PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 23, 88]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("draft-target")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-    )
-    LlamaForCausalLM(cfg).float().save_pretrained(str(path))
-    return path
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """Heads of 64 (the C++ kernels' smallest), a vocabulary of 200, positions to 64."""
+    shape = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=64)
+    return make_tiny_model(tmp_path_factory.mktemp("draft-target") / "m", smollm2_dir, vocab_size=200, **shape)
 
 
 def runner(model_dir: Path, backend: str, draft: Path | None) -> ModelRunner:
@@ -56,10 +43,7 @@ def runner(model_dir: Path, backend: str, draft: Path | None) -> ModelRunner:
 
 
 def greedy(model_dir: Path, count: int) -> list[int]:
-    ref = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=count, pad_token_id=0)
-    return out[0, len(PROMPT) :].tolist()
+    return transformers_greedy(model_dir, [PROMPT], count)[0]
 
 
 def asking(plan, lens: list[int]):  # type: ignore[no-untyped-def]

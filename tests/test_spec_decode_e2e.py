@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from tests.conftest import transformers_greedy
 
 NEW_TOKENS = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -29,16 +30,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for ids in prompts():
-            got = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            out.append(got[0, len(ids) :].tolist())
-    return out
+    return transformers_greedy(tiny_model_dir, prompts(), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.speculative_config import SpeculativeConfig
-from tests.conftest import Generation, Scheduler, collect, request
+from tests.conftest import Generation, Scheduler, collect, request, transformers_greedy
 from tests.test_scale_out import Worker, mid_generation, recovered, worker_groups
 
 NEW_TOKENS = 64
@@ -49,17 +48,7 @@ def prompts(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts(smollm2_dir)
-        ]
+    return transformers_greedy(smollm2_dir, prompts(smollm2_dir), NEW_TOKENS)
 
 
 @pytest.fixture(params=["ngram", "draft"])
