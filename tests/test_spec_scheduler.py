@@ -217,3 +217,23 @@ def test_suffix_drafting_changes_no_greedy_output() -> None:
         run(s, pattern)
         outputs[config is not None] = [q.output_token_ids for q in seqs]
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("found_lately", [False, True])
+def test_a_sequence_that_found_drafts_lately_keeps_the_next_plan_waiting(found_lately: bool) -> None:
+    """Without drafts in flight, the next plan is planned ahead, unless a sequence in the step
+    found drafts within its last few tokens: then it waits, to draft from the token in flight."""
+    from scheduler_svc.sched.draft_state import DraftState
+    from scheduler_svc.sched.ngram_index import NgramIndex
+
+    s = make(SPEC)
+    seq = add(s, 0, [7, 8, 9, 10, 11, 12], max_tokens=20)
+    if found_lately:
+        seq.draft_state = DraftState(NgramIndex(2, 3, 8192), last_found=len(seq.token_ids) - 2)
+    first = s.schedule()
+    assert first is not None and not first.draft_lens.size
+    ahead = s.schedule()
+    assert (ahead is None) is found_lately
+    if found_lately:  # a rest ends it: the sequence may not draft then
+        seq.draft_state.rest_until = 100  # type: ignore[union-attr]
+        assert s.drafter is not None and not s.drafter.productive(seq)

@@ -25,6 +25,9 @@ from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 _REVIEW_DRAFTS = 16
 _REST_TOKENS = 64
 _MAX_REST_DOUBLINGS = 4
+# A sequence that found drafts within this many tokens keeps the steps after it waiting for
+# each result (none planned ahead), so that it tries every step while its text repeats.
+_PRODUCTIVE_TOKENS = 8
 # How far back a prompt is indexed at first (scheduler_svc/sched/ngram_index.py).
 _PROMPT_WINDOW = 8192
 # Suffix drafting: a walk stops at a token that followed its context less often than this
@@ -58,10 +61,23 @@ class Drafter:
         if state.index is None:  # the draft model's, if they continue the sequence as it is now
             return state.proposed[:k] if state.proposed_at == len(seq.token_ids) else []
         if isinstance(state.index, NgramIndex):
-            return state.index.propose(seq.token_ids, k)
-        state.index.follow(seq.token_ids, _PROMPT_WINDOW)
-        assert self.shared is not None
-        return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
+            drafts = state.index.propose(seq.token_ids, k)
+        else:
+            state.index.follow(seq.token_ids, _PROMPT_WINDOW)
+            assert self.shared is not None
+            drafts = draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
+        if drafts:
+            state.last_found = len(seq.token_ids)
+        return drafts
+
+    def productive(self, seq: Sequence) -> bool:
+        """Whether `seq` found drafts within its last few tokens and is not resting: the next
+        plan should then wait for the result in flight and try again from it."""
+        state = seq.draft_state
+        if state is None or state.last_found < 0:
+            return False
+        n = len(seq.token_ids)
+        return n - state.last_found <= _PRODUCTIVE_TOKENS and n >= state.rest_until
 
     def lookahead(self, seq: Sequence, end: int) -> int:
         """A draft model: how many tokens to ask it for after a step that feeds `seq` up to

@@ -291,10 +291,16 @@ class Scheduler:
         if self.drafter is not None and len(queues.running) <= self.drafter.config.disable_by_batch_size:
             # A sequence drafts only from known tokens, never past a token in flight. So a
             # plan with drafts waits for its result (how many are kept decides where the next
-            # step starts), and one without plans ahead but lets every few steps wait, so that
-            # a sequence that starts to repeat itself gets its drafts.
+            # step starts), and so does one with a sequence that found drafts lately (its text
+            # repeats: it may find more from the token in flight); else it plans ahead but lets
+            # every few steps wait, so that a sequence that starts to repeat itself gets drafts.
             self._ahead_streak += 1
-            if (record.plan.draft_lens.size and record.plan.draft_lens.any()) or self._ahead_streak >= _DRAFT_PROBE:
+            drafter = self.drafter
+            if (
+                (record.plan.draft_lens.size and record.plan.draft_lens.any())
+                or self._ahead_streak >= _DRAFT_PROBE
+                or any(drafter.productive(seq) for seq in record.seqs)
+            ):
                 self._ahead_streak = 0
                 return False
         for seq, samples in zip(record.seqs, record.plan.sample.tolist()):
