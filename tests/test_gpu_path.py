@@ -355,5 +355,8 @@ def test_a_group_over_gloo_on_cuda_runs_without_graphs(backend: str, world_size:
         config=config,
         group=ParallelGroup(0, world_size),
         stage=PipelineStage(),
+        draft=None,
     )
     assert RunnerSetup._use_graphs(runner) is graphs  # type: ignore[arg-type]
+    runner.draft = object()  # a draft model's steps run both models eagerly
+    assert RunnerSetup._use_graphs(runner) is False  # type: ignore[arg-type]
