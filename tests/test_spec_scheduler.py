@@ -219,21 +219,37 @@ def test_suffix_drafting_changes_no_greedy_output() -> None:
     assert outputs[True] == outputs[False]
 
 
-@pytest.mark.parametrize("found_lately", [False, True])
-def test_a_sequence_that_found_drafts_lately_keeps_the_next_plan_waiting(found_lately: bool) -> None:
+@pytest.mark.parametrize("kept_lately", [False, True])
+def test_a_sequence_whose_drafts_were_kept_lately_keeps_the_next_plan_waiting(kept_lately: bool) -> None:
     """Without drafts in flight, the next plan is planned ahead, unless a sequence in the step
-    found drafts within its last few tokens: then it waits, to draft from the token in flight."""
+    had drafts kept within its last few tokens: then it waits, to draft from the token in flight."""
     from scheduler_svc.sched.draft_state import DraftState
     from scheduler_svc.sched.ngram_index import NgramIndex
 
     s = make(SPEC)
     seq = add(s, 0, [7, 8, 9, 10, 11, 12], max_tokens=20)
-    if found_lately:
-        seq.draft_state = DraftState(NgramIndex(2, 3, 8192), last_found=len(seq.token_ids) - 2)
+    if kept_lately:
+        seq.draft_state = DraftState(NgramIndex(2, 3, 8192), last_kept=len(seq.token_ids) - 2)
     first = s.schedule()
     assert first is not None and not first.draft_lens.size
     ahead = s.schedule()
-    assert (ahead is None) is found_lately
-    if found_lately:  # a rest ends it: the sequence may not draft then
+    assert (ahead is None) is kept_lately
+    if kept_lately:  # a rest ends it: the sequence may not draft then
         seq.draft_state.rest_until = 100  # type: ignore[union-attr]
         assert s.drafter is not None and not s.drafter.productive(seq)
+
+
+@pytest.mark.parametrize(("found", "waits"), [(1, False), (2, True)])
+def test_in_a_batch_a_quarter_of_the_sequences_must_have_had_drafts_kept_to_wait(found: int, waits: bool) -> None:
+    """A few sequences whose drafts were kept in a large batch do not hold the whole batch's next
+    plan back: 1 of 5 plans ahead, 2 of 5 wait."""
+    from scheduler_svc.sched.draft_state import DraftState
+    from scheduler_svc.sched.ngram_index import NgramIndex
+
+    s = make(SPEC)
+    seqs = [add(s, i, [7 + i, 8, 9, 10, 11, 12], max_tokens=20) for i in range(5)]
+    for seq in seqs[:found]:
+        seq.draft_state = DraftState(NgramIndex(2, 3, 8192), last_kept=len(seq.token_ids))
+    first = s.schedule()
+    assert first is not None and first.num_seqs == 5
+    assert (s.schedule() is None) is waits

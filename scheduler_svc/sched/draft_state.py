@@ -18,7 +18,7 @@ class DraftState:
     recent_accepted: int = 0
     rest_until: int = 0  # no drafts until the sequence holds this many tokens
     failed_reviews: int = 0  # reviews in a row that found the drafts failing (each rest is longer)
-    last_found: int = -1  # the sequence's length when it last found drafts (-1: never)
+    last_kept: int = -1  # the sequence's length when a step last kept drafts of it (-1: never)
     # The draft model's proposals, good while the sequence holds proposed_at tokens (they
     # continue its last one).
     proposed: list[int] = field(default_factory=list)

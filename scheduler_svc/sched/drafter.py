@@ -25,8 +25,8 @@ from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 _REVIEW_DRAFTS = 16
 _REST_TOKENS = 64
 _MAX_REST_DOUBLINGS = 4
-# A sequence that found drafts within this many tokens keeps the steps after it waiting for
-# each result (none planned ahead), so that it tries every step while its text repeats.
+# A sequence that had drafts kept within this many tokens keeps the steps after it waiting
+# for each result (none planned ahead), so that it tries every step while its text repeats.
 _PRODUCTIVE_TOKENS = 8
 # How far back a prompt is indexed at first (scheduler_svc/sched/ngram_index.py).
 _PROMPT_WINDOW = 8192
@@ -61,23 +61,20 @@ class Drafter:
         if state.index is None:  # the draft model's, if they continue the sequence as it is now
             return state.proposed[:k] if state.proposed_at == len(seq.token_ids) else []
         if isinstance(state.index, NgramIndex):
-            drafts = state.index.propose(seq.token_ids, k)
-        else:
-            state.index.follow(seq.token_ids, _PROMPT_WINDOW)
-            assert self.shared is not None
-            drafts = draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
-        if drafts:
-            state.last_found = len(seq.token_ids)
-        return drafts
+            return state.index.propose(seq.token_ids, k)
+        state.index.follow(seq.token_ids, _PROMPT_WINDOW)
+        assert self.shared is not None
+        return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
 
     def productive(self, seq: Sequence) -> bool:
-        """Whether `seq` found drafts within its last few tokens and is not resting: the next
-        plan should then wait for the result in flight and try again from it."""
+        """Whether `seq` had drafts kept within its last few tokens and is not resting: the
+        next plan should then wait for the result in flight and draft again from it. (Drafts
+        found but rejected do not count: sampled text matches n-grams by chance.)"""
         state = seq.draft_state
-        if state is None or state.last_found < 0:
+        if state is None or state.last_kept < 0:
             return False
         n = len(seq.token_ids)
-        return n - state.last_found <= _PRODUCTIVE_TOKENS and n >= state.rest_until
+        return n - state.last_kept <= _PRODUCTIVE_TOKENS and n >= state.rest_until
 
     def lookahead(self, seq: Sequence, end: int) -> int:
         """A draft model: how many tokens to ask it for after a step that feeds `seq` up to
@@ -125,6 +122,8 @@ class Drafter:
             return
         state.drafted += drafted
         state.accepted += accepted
+        if accepted:
+            state.last_kept = len(seq.token_ids)
         state.recent_drafted += drafted
         state.recent_accepted += accepted
         if state.recent_drafted >= _REVIEW_DRAFTS:

@@ -80,6 +80,8 @@ def _default_micro_batches(stages: int, share_cores: bool) -> int:
 
 # Speculative decoding: at most this many plans in a row are planned ahead (which drafts nothing).
 _DRAFT_PROBE = 4
+# ... unless at least 1 in this many of the step's sequences found drafts lately.
+_PRODUCTIVE_SHARE = 4
 
 
 @dataclass
@@ -291,15 +293,16 @@ class Scheduler:
         if self.drafter is not None and len(queues.running) <= self.drafter.config.disable_by_batch_size:
             # A sequence drafts only from known tokens, never past a token in flight. So a
             # plan with drafts waits for its result (how many are kept decides where the next
-            # step starts), and so does one with a sequence that found drafts lately (its text
-            # repeats: it may find more from the token in flight); else it plans ahead but lets
-            # every few steps wait, so that a sequence that starts to repeat itself gets drafts.
+            # step starts), and so does one where a quarter of the sequences found drafts
+            # lately (their text repeats: they may find more from the token in flight; a few
+            # such in a large batch would not pay for the whole batch's wait); else it plans
+            # ahead but lets every few steps wait, so that text that starts to repeat gets drafts.
             self._ahead_streak += 1
             drafter = self.drafter
             if (
                 (record.plan.draft_lens.size and record.plan.draft_lens.any())
                 or self._ahead_streak >= _DRAFT_PROBE
-                or any(drafter.productive(seq) for seq in record.seqs)
+                or _PRODUCTIVE_SHARE * sum(map(drafter.productive, record.seqs)) >= len(record.seqs)
             ):
                 self._ahead_streak = 0
                 return False
