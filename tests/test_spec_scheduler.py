@@ -160,7 +160,7 @@ def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets()
     from scheduler_svc.sched.ngram_index import NgramIndex
 
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.5))
-    seq = SimpleNamespace(draft_state=DraftState(NgramIndex(2, 4, 64)), token_ids=[1] * 100)
+    seq = SimpleNamespace(draft_state=DraftState(NgramIndex(2, 4, 64)), token_ids=[1] * 100, sampling=SamplingOptions())
     rests = []
     for accepted in (0, 0, 0, 16, 0):
         drafter.record(seq, 16, accepted)  # type: ignore[arg-type]  # one review of 16 drafts
@@ -168,6 +168,23 @@ def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets()
         seq.draft_state.rest_until = 0
     # 64, 128, 256 tokens after three failing reviews; none after a good one, which starts over.
     assert rests == [64, 128, 256, -100, 64]
+
+
+@pytest.mark.parametrize(("temperature", "reviewed"), [(0.0, False), (1.0, True)])
+def test_a_sampled_sequence_is_reviewed_after_8_drafts_a_greedy_one_after_16(
+    temperature: float, reviewed: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from scheduler_svc.sched.draft_state import DraftState
+    from scheduler_svc.sched.drafter import Drafter
+    from scheduler_svc.sched.ngram_index import NgramIndex
+
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4))
+    state = DraftState(NgramIndex(2, 4, 64))
+    seq = SimpleNamespace(draft_state=state, token_ids=[1] * 100, sampling=SamplingOptions(temperature=temperature))
+    drafter.record(seq, 8, 0)  # type: ignore[arg-type]
+    assert (state.rest_until > 100) is reviewed
 
 
 def test_preemption_under_a_small_pool_keeps_outputs() -> None:

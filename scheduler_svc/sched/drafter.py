@@ -20,9 +20,13 @@ from scheduler_svc.sched.ngram_index import NgramIndex
 from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 
-# Drafts between two looks at a sequence's acceptance rate, and tokens it then rests for
-# when the rate was too low (doubled for each such look in a row, at most this many times).
+# Drafts between two looks at a sequence's acceptance rate (a sampled sequence's sooner: at
+# temperature > 0 a draft is kept with the probability the model gives it, so a failing run is
+# plainer earlier, while greedy JSON has short runs of misses between its keys), and tokens it
+# then rests for when the rate was too low (doubled for each such look in a row, at most
+# this many times).
 _REVIEW_DRAFTS = 16
+_REVIEW_DRAFTS_SAMPLED = 8
 _REST_TOKENS = 64
 _MAX_REST_DOUBLINGS = 4
 # A sequence that had drafts kept within this many tokens keeps the steps after it waiting
@@ -126,7 +130,7 @@ class Drafter:
             state.last_kept = len(seq.token_ids)
         state.recent_drafted += drafted
         state.recent_accepted += accepted
-        if state.recent_drafted >= _REVIEW_DRAFTS:
+        if state.recent_drafted >= (_REVIEW_DRAFTS_SAMPLED if seq.sampling.temperature > 0 else _REVIEW_DRAFTS):
             if state.recent_accepted < self.config.min_acceptance_rate * state.recent_drafted:
                 # Twice as long each time in a row: text that keeps defeating the drafts (a
                 # sampled request that matches its prompt's n-grams by chance) costs a
