@@ -19,6 +19,10 @@ def test_quick_run_gives_the_faster_group_the_larger_share(tiny_model_dir: Path,
     for phase in ("closed_loop", "burst"):
         groups = result[phase]["groups"]
         assert groups["fast"]["sampled_tokens"] + groups["slow"]["sampled_tokens"] == result[phase]["tokens"]
-        assert groups["slow"]["cost"] == 3.0 and groups["slow"]["steps"] > 0
+        assert groups["slow"]["cost"] == 3.0
+    # The closed loop's first request goes to the slow group (unmeasured groups tie, and it is
+    # listed first). In the burst it may get none: its measured speed is tokens over step time,
+    # and a busy machine can make it look slow enough that the fast group's queue still wins.
+    assert result["closed_loop"]["groups"]["slow"]["steps"] > 0
     # A burst after both groups were measured: room alone would split it about evenly.
     assert result["burst"]["groups"]["fast"]["token_share"] > 0.6
