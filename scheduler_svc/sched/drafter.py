@@ -3,11 +3,12 @@ how well their drafts have done.
 
 Drafting happens while the step is planned, on the CPU the scheduler already spends there,
 from tokens the scheduler already holds; the worker only verifies (worker_svc/sampling/
-draft_verifier.py). With a draft model ("draft") the worker also proposes: a step asks it for a
-sequence's next drafts (Sequence.propose, with blocks reserved that far), its result brings
-them, and the next step verifies them. A sequence drafts only where verification keeps outputs exactly as they
-would be: plain greedy or random sampling, no logit processing (bias, penalties, min_tokens
-bans, a grammar's mask), no alternatives or prompt scores, one sequence in its group.
+draft_verifier.py). With a draft model ("draft") the worker also proposes: a step asks it for
+a sequence's next drafts (Sequence.propose, with blocks reserved that far), its result brings
+them, and the next step verifies them. A sequence drafts only where verification keeps
+outputs exactly as they would be: plain greedy or random sampling, no logit processing (bias,
+penalties, min_tokens bans, a grammar's mask), no alternatives or prompt scores, one sequence
+in its group.
 """
 
 from __future__ import annotations
@@ -57,10 +58,8 @@ class Drafter:
         """Draft tokens for `seq`'s next step (it decodes one token), within `budget` tokens for
         the whole row and the tokens it may still produce; [] where it should not draft."""
         k = min(self.config.num_speculative_tokens, budget - 1, seq.token_limit - len(seq.token_ids) - 1)
-        if k <= 0 or not self._eligible(seq):
-            return []
-        state = self._state(seq)
-        if len(seq.token_ids) < state.rest_until:
+        state = self._ready(seq) if k > 0 else None
+        if state is None:
             return []
         if state.index is None:  # the draft model's, if they continue the sequence as it is now
             return state.proposed[:k] if state.proposed_at == len(seq.token_ids) else []
@@ -83,9 +82,7 @@ class Drafter:
     def lookahead(self, seq: Sequence, end: int) -> int:
         """A draft model: how many tokens to ask it for after a step that feeds `seq` up to
         position `end` and samples (0: none), within the sequence's limit."""
-        if self.config.method != "draft" or not self._eligible(seq):
-            return 0
-        if len(seq.token_ids) < self._state(seq).rest_until:
+        if self._ready(seq) is None:
             return 0
         return max(0, min(self.config.num_speculative_tokens, seq.token_limit - end - 1))
 
@@ -93,6 +90,13 @@ class Drafter:
         """The draft model's proposals for `seq` after the step just applied."""
         state = self._state(seq)
         state.proposed, state.proposed_at = tokens, len(seq.token_ids)
+
+    def _ready(self, seq: Sequence) -> DraftState | None:
+        """`seq`'s drafting state where it may draft now (eligible, not resting), else None."""
+        if not self._eligible(seq):
+            return None
+        state = self._state(seq)
+        return state if len(seq.token_ids) >= state.rest_until else None
 
     def _state(self, seq: Sequence) -> DraftState:
         state = seq.draft_state

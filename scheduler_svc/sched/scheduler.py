@@ -80,7 +80,7 @@ def _default_micro_batches(stages: int, share_cores: bool) -> int:
 
 # Speculative decoding: at most this many plans in a row are planned ahead (which drafts nothing).
 _DRAFT_PROBE = 4
-# ... unless at least 1 in this many of the step's sequences found drafts lately.
+# ... and none at all while at least 1 in this many of the step's sequences had drafts kept lately.
 _PRODUCTIVE_SHARE = 4
 
 
@@ -293,8 +293,8 @@ class Scheduler:
         if self.drafter is not None and len(queues.running) <= self.drafter.config.disable_by_batch_size:
             # A sequence drafts only from known tokens, never past a token in flight. So a
             # plan with drafts waits for its result (how many are kept decides where the next
-            # step starts), and so does one where a quarter of the sequences found drafts
-            # lately (their text repeats: they may find more from the token in flight; a few
+            # step starts), and so does one where a quarter of the sequences had drafts kept
+            # lately (their text repeats: they may draft again from the token in flight; a few
             # such in a large batch would not pay for the whole batch's wait); else it plans
             # ahead but lets every few steps wait, so that text that starts to repeat gets drafts.
             self._ahead_streak += 1

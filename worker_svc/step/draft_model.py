@@ -56,9 +56,10 @@ class DraftModel:
                 f"--speculative-model {path}: its heads take the {backend} attention kernels, the model's "
                 f"the {attention_backend} ones; a draft model runs with the model's"
             )
-        if served_context(config, 0) < max_model_len:
+        positions = served_context(config, 0)
+        if positions < max_model_len:
             raise ValueError(
-                f"--speculative-model {path}: its positions reach {served_context(config, 0)}, the model serves "
+                f"--speculative-model {path}: its positions reach {positions}, the model serves "
                 f"{max_model_len}; lower --max-model-len"
             )
         self.name = Path(path).name
@@ -111,7 +112,7 @@ class DraftModel:
         for i in range(out.shape[1]):
             live = np.flatnonzero(counts > i)  # a row stops where its table does
             n = live.size
-            table = tables.take(live)
+            table = tables if n == len(tokens) else tables.take(live)
             width = pad(n) if pad is not None else n  # padded rows write nowhere (slot -1)
             at = pos[live]
             slots = pad_rows(table.lookup(np.arange(n), at // bs) * bs + at % bs, width, -1)

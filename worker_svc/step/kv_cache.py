@@ -32,9 +32,14 @@ def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, laye
 
 
 def blocks_in(
-    budget_bytes: float, shape: ModelShape, block_size: int, dtype: torch.dtype, layers: int | None = None
+    budget_bytes: float,
+    shape: ModelShape,
+    block_size: int,
+    dtype: torch.dtype,
+    layers: int | None = None,
+    extra_block_bytes: int = 0,  # what each block also costs elsewhere (a draft model's cache)
 ) -> int:
-    return max(0, int(budget_bytes // bytes_per_block(shape, block_size, dtype, layers)))
+    return max(0, int(budget_bytes // (bytes_per_block(shape, block_size, dtype, layers) + extra_block_bytes)))
 
 
 class KVCache:

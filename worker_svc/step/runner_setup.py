@@ -304,8 +304,8 @@ class RunnerSetup(ABC):
 
     def _blocks_in(self, budget: float) -> int:
         """Blocks of the model's cache and, with a draft model, of its cache beside it."""
-        one = kv_cache.bytes_per_block(self.shape, self.block_size, self.dtype, self._layers)
-        return max(0, int(budget // (one + (self.draft.block_bytes(self.block_size) if self.draft else 0))))
+        draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
+        return kv_cache.blocks_in(budget, self.shape, self.block_size, self.dtype, self._layers, draft)
 
     def _swap_capacity(self) -> int:
         """Host blocks for preempted sequences; 0 turns swapping off."""
