@@ -159,7 +159,9 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_d
         served = [r for r in results if isinstance(r, Generation)]
         assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
         assert "--max-queue-len" in (refused[0].details() or "")
-        assert len(served) >= 3 and all(len(g.token_ids) == 30 for g in served)
+        # The queue's 2, and a third only if the step loop moved the first into the running
+        # queue before the others arrived, which a busy machine may not let it do.
+        assert len(served) >= 2 and all(len(g.token_ids) == 30 for g in served)
         await s.wait_idle()
     finally:
         await stop_scheduler(s)
