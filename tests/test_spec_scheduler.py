@@ -152,7 +152,12 @@ def test_a_sequence_whose_drafts_fail_rests() -> None:
     assert 0 < drafted[0.5] < 0.6 * drafted[0.0]
 
 
-def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets() -> None:
+@pytest.mark.parametrize(("temperature", "first_rest"), [(0.0, 8), (1.0, 64)])
+def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets(
+    temperature: float, first_rest: int
+) -> None:
+    """A greedy sequence rests 8 tokens after a failing review (its text mostly comes back to
+    what it copies), a sampled one 64 (its matches are chance)."""
     from types import SimpleNamespace
 
     from scheduler_svc.sched.draft_state import DraftState
@@ -160,14 +165,15 @@ def test_each_failed_review_in_a_row_rests_twice_as_long_and_a_good_one_resets()
     from scheduler_svc.sched.ngram_index import NgramIndex
 
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.5))
-    seq = SimpleNamespace(draft_state=DraftState(NgramIndex(2, 4, 64)), token_ids=[1] * 100, sampling=SamplingOptions())
+    sampling = SamplingOptions(temperature=temperature)
+    seq = SimpleNamespace(draft_state=DraftState(NgramIndex(2, 4, 64)), token_ids=[1] * 100, sampling=sampling)
     rests = []
     for accepted in (0, 0, 0, 16, 0):
         drafter.record(seq, 16, accepted)  # type: ignore[arg-type]  # one review of 16 drafts
         rests.append(seq.draft_state.rest_until - len(seq.token_ids))
         seq.draft_state.rest_until = 0
-    # 64, 128, 256 tokens after three failing reviews; none after a good one, which starts over.
-    assert rests == [64, 128, 256, -100, 64]
+    # Twice as long after each of three failing reviews; none after a good one, which starts over.
+    assert rests == [first_rest, 2 * first_rest, 4 * first_rest, -100, first_rest]
 
 
 @pytest.mark.parametrize(("temperature", "reviewed"), [(0.0, False), (1.0, True)])
@@ -254,6 +260,22 @@ def test_a_sequence_whose_drafts_were_kept_lately_keeps_the_next_plan_waiting(ke
     if kept_lately:  # a rest ends it: the sequence may not draft then
         seq.draft_state.rest_until = 100  # type: ignore[union-attr]
         assert s.drafter is not None and not s.drafter.productive(seq)
+
+
+@pytest.mark.parametrize(("temperature", "waits"), [(0.0, True), (1.0, False)])
+def test_a_greedy_sequence_whose_tokens_propose_a_draft_keeps_the_next_plan_waiting(
+    temperature: float, waits: bool
+) -> None:
+    """Text that has begun to repeat itself: the step in flight decodes a token without drafts,
+    but the tokens before it already propose some. Greedy, the next plan waits to draft from the
+    token in flight; sampled (chance matches), it is planned ahead until a draft is kept."""
+    s = make(SPEC)
+    seq = add(s, 0, [7, 8, 9, 10, 11, 7, 8], max_tokens=20)
+    seq.sampling = SamplingOptions(temperature=temperature, seed=1)
+    first = s.schedule()
+    assert first is not None and not first.draft_lens.size
+    assert s.drafter is not None and s.drafter.productive(seq) is waits  # [7, 8] was followed by 9
+    assert (s.schedule() is None) is waits
 
 
 @pytest.mark.parametrize(("found", "waits"), [(1, False), (2, True)])

@@ -25,10 +25,15 @@ from scheduler_svc.sched.suffix_index import SuffixIndex, draft
 # temperature > 0 a draft is kept with the probability the model gives it, so a failing run is
 # plainer earlier, while greedy JSON has short runs of misses between its keys), and tokens it
 # then rests for when the rate was too low (doubled for each such look in a row, at most
-# this many times).
+# this many times). A greedy sequence rests briefly: greedy text that strays from what it
+# copies mostly comes back to it within a few tokens (a rewritten number, a skipped
+# sentence), and a rejected draft costs only its rows in a step that runs anyway, while every
+# kept one saves a step. A sampled one rests long: its n-gram matches are chance, and its
+# drafts would keep the plans after them waiting (Scheduler._plan_ahead) for nothing.
 _REVIEW_DRAFTS = 16
 _REVIEW_DRAFTS_SAMPLED = 8
-_REST_TOKENS = 64
+_REST_TOKENS = 8
+_REST_TOKENS_SAMPLED = 64
 _MAX_REST_DOUBLINGS = 4
 # A sequence that had drafts kept within this many tokens keeps the steps after it waiting
 # for each result (none planned ahead), so that it tries every step while its text repeats.
@@ -63,21 +68,24 @@ class Drafter:
             return []
         if state.index is None:  # the draft model's, if they continue the sequence as it is now
             return state.proposed[:k] if state.proposed_at == len(seq.token_ids) else []
-        if isinstance(state.index, NgramIndex):
-            return state.index.propose(seq.token_ids, k)
-        state.index.follow(seq.token_ids, _PROMPT_WINDOW)
-        assert self.shared is not None
-        return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
+        return self._lookup(state, seq, k)
 
     def productive(self, seq: Sequence) -> bool:
-        """Whether `seq` had drafts kept within its last few tokens and is not resting: the
-        next plan should then wait for the result in flight and draft again from it. (Drafts
-        found but rejected do not count: sampled text matches n-grams by chance.)"""
-        state = seq.draft_state
-        if state is None or state.last_kept < 0:
+        """Whether the next plan should wait for the result in flight to draft `seq` from it:
+        it may draft now (eligible, not resting) and either had drafts kept within its last
+        few tokens or, decoding greedily, its tokens so far already propose a draft (its text
+        has begun to repeat itself). A sampled sequence's proposals do not count before one is
+        kept: sampled text matches n-grams by chance, and waiting for them would cost every
+        plan its overlap."""
+        state = self._ready(seq)
+        if state is None:
             return False
         n = len(seq.token_ids)
-        return n - state.last_kept <= _PRODUCTIVE_TOKENS and n >= state.rest_until
+        if state.last_kept >= 0 and n - state.last_kept <= _PRODUCTIVE_TOKENS:
+            return True
+        # A draft model's proposals come only with the result that asked for them.
+        greedy = seq.sampling.temperature == 0
+        return greedy and state.index is not None and bool(self._lookup(state, seq, 1))
 
     def lookahead(self, seq: Sequence, end: int) -> int:
         """A draft model: how many tokens to ask it for after a step that feeds `seq` up to
@@ -90,6 +98,14 @@ class Drafter:
         """The draft model's proposals for `seq` after the step just applied."""
         state = self._state(seq)
         state.proposed, state.proposed_at = tokens, len(seq.token_ids)
+
+    def _lookup(self, state: DraftState, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens `seq`'s n-gram or suffix index proposes after its last token."""
+        if isinstance(state.index, NgramIndex):
+            return state.index.propose(seq.token_ids, k)
+        assert state.index is not None and self.shared is not None
+        state.index.follow(seq.token_ids, _PROMPT_WINDOW)
+        return draft((state.index, self.shared), seq.token_ids, k, _MIN_SHARE)
 
     def _ready(self, seq: Sequence) -> DraftState | None:
         """`seq`'s drafting state where it may draft now (eligible, not resting), else None."""
@@ -134,13 +150,14 @@ class Drafter:
             state.last_kept = len(seq.token_ids)
         state.recent_drafted += drafted
         state.recent_accepted += accepted
-        if state.recent_drafted >= (_REVIEW_DRAFTS_SAMPLED if seq.sampling.temperature > 0 else _REVIEW_DRAFTS):
+        sampled = seq.sampling.temperature > 0
+        if state.recent_drafted >= (_REVIEW_DRAFTS_SAMPLED if sampled else _REVIEW_DRAFTS):
             if state.recent_accepted < self.config.min_acceptance_rate * state.recent_drafted:
                 # Twice as long each time in a row: text that keeps defeating the drafts (a
                 # sampled request that matches its prompt's n-grams by chance) costs a
                 # verification of K + 1 rows a step while it drafts, and gains nothing.
-                rest = _REST_TOKENS << min(state.failed_reviews, _MAX_REST_DOUBLINGS)
-                state.rest_until = len(seq.token_ids) + rest
+                rest = _REST_TOKENS_SAMPLED if sampled else _REST_TOKENS
+                state.rest_until = len(seq.token_ids) + (rest << min(state.failed_reviews, _MAX_REST_DOUBLINGS))
                 state.failed_reviews += 1
             else:
                 state.failed_reviews = 0
