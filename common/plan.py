@@ -68,7 +68,8 @@ class SamplingBatch:
     prompt_next_token: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
     # Structured outputs: sequence i's sampled token must be allowed by token_masks[mask_rows[i]]
     # (-1 = unconstrained; empty = none anywhere), packed bitmasks [k, ceil(vocab / 32)] whose
-    # bit j of word w allows token 32 w + j. The scheduler's grammar matchers fill them.
+    # bit j of word w allows token 32 w + j. The scheduler's grammar matchers fill them. A
+    # sequence verifying d drafts has d + 1 masks from mask_rows[i] on, one per position.
     mask_rows: I32 = field(default_factory=lambda: np.zeros(0, np.int32))
     token_masks: I32 = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
@@ -187,14 +188,18 @@ class StepPlan:
         if rows.shape not in ((n,), (0,)) or masks.ndim != 2:
             raise ValueError("plan.sampling.mask_rows must have one entry per sequence, or none")
         if rows.size:
-            masked = rows[rows >= 0]
-            if (
-                int(rows.min()) < -1
-                or (masked.size and int(masked.max()) >= masks.shape[0])
-                or np.unique(masked).size != masked.size
-                or masked.size != masks.shape[0]
-            ):
-                raise ValueError("plan.sampling.mask_rows must name each row of token_masks once, -1 elsewhere")
+            # A sequence verifying d drafts has d + 1 masks from its mask row on: ordered by
+            # their first rows, the sequences' spans must tile token_masks.
+            at = np.flatnonzero(rows >= 0)
+            widths = self.draft_lens[at] + 1 if self.draft_lens.shape == (n,) else np.ones(at.size, np.int64)
+            order = np.argsort(rows[at], kind="stable")
+            starts, ends = rows[at][order].astype(np.int64), (rows[at] + widths)[order]
+            tiled = not starts.size or (starts[0] == 0 and (starts[1:] == ends[:-1]).all())
+            if int(rows.min()) < -1 or not tiled or (int(ends[-1]) if ends.size else 0) != masks.shape[0]:
+                raise ValueError(
+                    "plan.sampling.mask_rows must cover the rows of token_masks once each "
+                    "(a sequence with d drafts d + 1 of them), -1 elsewhere"
+                )
             if not self.sample[rows >= 0].all():
                 raise ValueError("plan.sampling.mask_rows constrains a sequence that samples nothing this step")
         for name in ("swap_out", "swap_in", "copy"):

@@ -123,7 +123,8 @@ def decode_plan(msg: worker_pb.StepPlan, max_seqs: int | None = None, vocab_size
             prompt_logprobs=_optional(s.prompt_logprobs, np.int32, "sampling.prompt_logprobs", n),
             prompt_next_token=_optional(s.prompt_next_token, np.int32, "sampling.prompt_next_token", n),
             mask_rows=_optional(s.mask_rows, np.int32, "sampling.mask_rows", n),
-            token_masks=_decode_masks(s, n, vocab_size),
+            # At most a mask per fed position (a row verifying d drafts has d + 1).
+            token_masks=_decode_masks(s, max(n, len(msg.input_ids) // 4), vocab_size),
         ),
         swap_out=_pairs(msg.swap_out, "swap_out"),
         swap_in=_pairs(msg.swap_in, "swap_in"),
@@ -141,7 +142,7 @@ def _optional(data: bytes, dtype: type, field: str, count: int) -> np.ndarray:
     return unpack(data, dtype, field, count if data else 0)
 
 
-def _decode_masks(s: worker_pb.SamplingBatch, num_seqs: int, vocab_size: int | None) -> np.ndarray:
+def _decode_masks(s: worker_pb.SamplingBatch, most: int, vocab_size: int | None) -> np.ndarray:
     words = s.token_mask_words
     if vocab_size is not None and words > -(-vocab_size // 32):
         raise ValueError(
@@ -152,8 +153,8 @@ def _decode_masks(s: worker_pb.SamplingBatch, num_seqs: int, vocab_size: int | N
         raise ValueError(f"sampling.token_masks: {dense.size} words is not a whole number of rows of {words}")
     dense = dense.reshape(-1, words) if dense.size else np.zeros((0, words), np.int32)
     rows = len(s.mask_sparse) if s.mask_sparse else dense.shape[0]  # mask_sparse has a byte for every row
-    if rows > num_seqs:
-        raise ValueError(f"sampling.token_masks: {rows} mask rows for {num_seqs} sequences")
+    if rows > most:
+        raise ValueError(f"sampling.token_masks: {rows} mask rows, more than the plan's {most} positions")
     if not s.mask_sparse:
         return dense
     parts = token_masks.SplitMasks(

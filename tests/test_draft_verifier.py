@@ -55,6 +55,31 @@ def test_greedy_rows_keep_drafts_while_they_are_the_argmax() -> None:
     assert np.allclose(v.logprobs[0], float(logits[2, 5] - lse[2]))
 
 
+def test_a_masked_position_keeps_the_draft_its_grammar_would_choose() -> None:
+    """A structured output's row: each position's mask applies before the argmax, as in its
+    decode. The raw argmax (token 9) is refused at every position; the draft [3, 4] is what the
+    masks leave highest, so both are kept, and the token after them obeys the third mask.
+    Log-probabilities stay those of the raw logits."""
+    from tests.test_structured_output import _packed
+
+    vocab = 10
+    logits = torch.full((3, vocab), -5.0)
+    logits[:, 9] = 9.0
+    for i, t in enumerate([3, 4, 6]):
+        logits[i, t] = 5.0
+    logits[2, 5] = 7.0  # above 6, but the third mask allows only 6
+    s = batch(1)
+    s = SamplingBatch(
+        **{**s.__dict__, "mask_rows": np.array([0], np.int32), "token_masks": _packed([[3], [4], [6]], vocab)}
+    )
+    drafts = np.array([3, 4], np.int32)
+    unmasked = verify(logits, drafts, np.array([2], np.int32), s, np.arange(1))
+    assert unmasked.accepted.tolist() == [0] and unmasked.tokens.tolist() == [9]
+    v = verify(logits, drafts, np.array([2], np.int32), s, np.arange(1), mask_at=np.array([0, 1, 2]))
+    assert v.accepted.tolist() == [2] and v.tokens.tolist() == [6]
+    assert np.allclose(v.logprobs[0], float(logits[2, 6] - torch.logsumexp(logits[2], -1)))
+
+
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_rejection_sampling_keeps_the_distribution(top_k: int) -> None:
     """One draft (token 0) before each of 20,000 seeded rows: the first token out is the draft

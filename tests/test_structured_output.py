@@ -412,6 +412,53 @@ def test_masks_travel_through_both_wires_and_bad_ones_are_refused() -> None:
     no_sample = dataclasses.replace(plan, sample=np.array([1, 1, 0], np.uint8))
     with pytest.raises(ValueError, match="samples nothing"):
         no_sample.validate()
+    # A sequence verifying a draft (its second token) has a mask for each of its 2 positions.
+    drafting = dataclasses.replace(plan, draft_lens=np.array([1, 0, 0], np.int32))
+    masks = _packed([[1], [2], [3]], 49155)
+    for rows, ok in (([1, -1, 0], True), ([0, -1, 2], True), ([0, -1, 1], False), ([2, -1, 0], False)):
+        case = dataclasses.replace(
+            drafting,
+            sampling=dataclasses.replace(plan.sampling, mask_rows=np.array(rows, np.int32), token_masks=masks),
+        )
+        if ok:
+            case.validate()
+            back = worker_wire.decode_plan(
+                worker_pb.StepPlan.FromString(worker_wire.encode_plan(case).SerializeToString())
+            )
+            assert np.array_equal(back.sampling.token_masks, masks)
+        else:
+            with pytest.raises(ValueError, match="mask_rows"):
+                case.validate()
+
+
+def test_a_draft_is_cut_where_its_grammar_stops_allowing_it_and_each_position_masked(smollm2_dir: Path) -> None:
+    """Speculative decoding under a grammar: the scheduler keeps the drafts the grammar allows
+    (short of the stop token that would complete it) and sends a mask for each position the
+    worker verifies; the matcher ends where it began."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    a, b, one = (tok.token_to_id(t) for t in ("a", "b", "1"))
+    grammar = GrammarCompiler(str(smollm2_dir), 49152, frozenset({2}), 4).grammar(StructuredOutput("regex", "ab[0-9]"))
+    assert grammar.allowed_prefix([a, b, a, one]) == 2  # a letter after "ab" is refused
+    assert grammar.allowed_prefix([a, b, one, 2]) == 3  # the stop token that completes it is cut
+    assert grammar.allowed_prefix([one]) == 0
+    before = fill_masks([grammar])
+    masks = fill_masks([grammar], [[a, b, one]])
+
+    def allowed(row: np.ndarray) -> set[int]:
+        return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:49152]).tolist())
+
+    assert masks.shape == (4, before.shape[1]) and np.array_equal(masks[0], before[0])
+    assert a in allowed(masks[0]) and b not in allowed(masks[0])
+    assert b in allowed(masks[1]) and a not in allowed(masks[1])
+    assert one in allowed(masks[2]) and a not in allowed(masks[2])
+    assert allowed(masks[3]) == {2}  # complete: only its stop token
+    assert np.array_equal(fill_masks([grammar]), before) and grammar.accept(a)  # not moved
+    # Two grammars, one drafting: the other's single row follows the first's four.
+    other = GrammarCompiler(str(smollm2_dir), 49152, frozenset({2}), 4).grammar(StructuredOutput("regex", "[0-9]+"))
+    both = fill_masks([other, grammar], [[], [b, one]])
+    assert both.shape[0] == 4 and one in allowed(both[0]) and allowed(both[3]) == {2}
 
 
 def test_a_forked_grammar_moves_on_its_own(smollm2_dir: Path) -> None:

@@ -480,7 +480,10 @@ def _sparse_masks(msg: worker_pb2.StepPlan, rows: int, words: int) -> worker_pb2
             _sparse_masks(_plan_msg(1), 1, 1 << 24),
             "sampling.token_mask_words: 16777216 words a row, a vocabulary of 49152 needs 1536",
         ),
-        (_sparse_masks(_plan_msg(2), 1000, 1536), "sampling.token_masks: 1000 mask rows for 2 sequences"),
+        (
+            _sparse_masks(_plan_msg(2), 1000, 1536),
+            "sampling.token_masks: 1000 mask rows, more than the plan.s 2 positions",
+        ),
     ],
     ids=["sequences", "mask-words", "mask-rows"],
 )

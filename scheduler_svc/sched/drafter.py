@@ -6,9 +6,10 @@ from tokens the scheduler already holds; the worker only verifies (worker_svc/sa
 draft_verifier.py). With a draft model ("draft") the worker also proposes: a step asks it for
 a sequence's next drafts (Sequence.propose, with blocks reserved that far), its result brings
 them, and the next step verifies them. A sequence drafts only where verification keeps
-outputs exactly as they would be: plain greedy or random sampling, no logit processing (bias,
-penalties, min_tokens bans, a grammar's mask), no alternatives or prompt scores, one sequence
-in its group.
+outputs exactly as they would be: plain greedy or random sampling, or under a structured
+output's grammar (drafts cut where it stops allowing them, each verified position masked as
+its decode would be), no other logit processing (bias, penalties, min_tokens bans), no
+alternatives or prompt scores, one sequence in its group.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class Drafter:
     def _eligible(self, seq: Sequence) -> bool:
         o = seq.sampling
         return (
-            seq.grammar is None
+            (seq.grammar is None or seq.grammar.failure is None)
             and o.logprobs is None
             and o.prompt_logprobs is None
             and not o.penalized

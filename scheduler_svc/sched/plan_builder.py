@@ -177,16 +177,20 @@ def _bias(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np
 
 
 def _masks(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(mask_rows [n], token_masks [len(rows), words]): what each constrained row that samples
-    may draw next. Never planned ahead (Scheduler._plan_ahead), so each grammar has seen every
-    token before the one this step samples."""
+    """(mask_rows [n], token_masks [k, words]): what each constrained row that samples may
+    draw next, and a row verifying d drafts at each of its d + 1 positions (masks
+    mask_rows[i] .. mask_rows[i] + d; its drafts are ones the grammar allows, StepPlanner._draft).
+    Never planned ahead (Scheduler._plan_ahead), so each grammar has seen every token before
+    the one this step samples."""
     if not rows:
         return _NONE_I32, _NO_MASKS
+    drafts = [seqs[i].draft for i in rows]
+    widths = np.array([len(d) + 1 for d in drafts], dtype=np.int32)
     mask_rows = np.full(n, -1, np.int32)
-    mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
+    mask_rows[rows] = np.cumsum(widths) - widths
     grammars = [seqs[i].grammar for i in rows]
     assert all(grammars), "a constrained row without a grammar"
-    return mask_rows, fill_masks(grammars)  # type: ignore[arg-type]
+    return mask_rows, fill_masks(grammars, drafts)  # type: ignore[arg-type]
 
 
 def _history(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -135,6 +135,8 @@ class StepPlanner:
         """Give a decoding sequence its draft tokens and their blocks; False (nothing changed)
         when it drafts none or its blocks would not fit: it then decodes one token as usual."""
         draft = drafter.propose(seq, budget)
+        if draft and seq.grammar is not None:  # verification samples each position under its mask
+            draft = draft[: seq.grammar.allowed_prefix(draft)]
         end = seq.num_computed_tokens + 1 + len(draft)
         if not draft or not self.bm.can_allocate(seq.seq_id, end, seq.num_computed_tokens):
             return False

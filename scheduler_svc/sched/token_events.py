@@ -154,9 +154,17 @@ class ResultApplier:
         bm.trim(seq.seq_id, bm.blocks_for(e))
         events: list[TokenEvent] = []
         for t, lp in zip([*kept, token], [*lps, logprob]):
+            if seq.grammar is not None and not seq.grammar.accept(t):
+                # Drafts were cut where the grammar stops allowing them and each position was
+                # masked (plan_builder): as for a decode, a refused token means a broken worker
+                # or a grammar this vocabulary cannot spell.
+                ended = self.queues.finish_seq(seq.seq_id, FinishReason.ABORTED)
+                events.append(TokenEvent(group, seq, -1, 0.0, FinishReason.ABORTED, ended))
+                return events
             seq.token_ids.append(t)
             seq.cumulative_logprob += lp
-            reason = seq.end_reason(t) if t in seq.stop_ids or len(seq.token_ids) >= seq.token_limit else None
+            limit = t in seq.stop_ids or len(seq.token_ids) >= seq.token_limit or seq.grammar is not None
+            reason = seq.end_reason(t) if limit else None
             if reason is not None:
                 ended = self.queues.finish_seq(seq.seq_id, reason)
                 events.append(TokenEvent(group, seq, t, lp, reason, ended, length=len(seq.token_ids)))

@@ -305,6 +305,24 @@ class Grammar:
         """Advance past a sampled token; False if the grammar does not allow it, or failed."""
         return self.failure is None and bool(self._matcher.accept_token(token))
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here, short of one that
+        would complete it (a draft past the end would be masked by nothing); the matcher is
+        left where it was."""
+        matcher, n = self._matcher, 0
+        if self.failure is None:
+            for token in tokens:
+                if not matcher.accept_token(token):
+                    break
+                n += 1
+                if matcher.is_terminated():
+                    matcher.rollback(1)
+                    n -= 1
+                    break
+            if n:
+                matcher.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the sequence ends."""
@@ -360,15 +378,32 @@ class _MaskFiller:
         return time.thread_time() - start
 
 
-def fill_masks(grammars: list[Grammar]) -> np.ndarray:
+def fill_masks(grammars: list[Grammar], drafts: list[list[int]] | None = None) -> np.ndarray:
     """int32 [len(grammars), words]: the tokens each grammar allows next (xgrammar's threads
     fill the rows in parallel). The grammars come from one compiler. A grammar whose mask
-    took more than MASK_BUDGET_S gets its `failure`."""
+    took more than MASK_BUDGET_S gets its `failure`.
+
+    With `drafts` (tokens each grammar allows in turn: Grammar.allowed_prefix), grammar i has
+    len(drafts[i]) + 1 consecutive rows: what it allows next, then after each of its drafts,
+    the masks of the positions verification samples at. The matchers end where they began."""
     if not grammars:
         return np.zeros((0, 0), np.int32)
     masks = np.full((len(grammars), grammars[0].words), -1, np.int32)
     grammars[0]._filler.fill(grammars, masks)
-    return masks
+    if drafts is None or not any(drafts):
+        return masks
+    widths = np.array([len(d) + 1 for d in drafts])
+    first = np.cumsum(widths) - widths
+    out = np.full((int(widths.sum()), masks.shape[1]), -1, np.int32)
+    out[first] = masks
+    for grammar, draft, row in zip(grammars, drafts, first.tolist(), strict=True):
+        matcher = grammar._matcher
+        for j, token in enumerate(draft):
+            matcher.accept_token(token)
+            matcher.fill_next_token_bitmask(out, row + 1 + j)
+        if draft:
+            matcher.rollback(len(draft))
+    return out
 
 
 def _where(spec: StructuredOutput) -> str:

@@ -26,6 +26,7 @@ import torch
 
 from common.plan import SamplingBatch
 from worker_svc.device.host_copy import to_device, to_host
+from worker_svc.sampling.logits_processor import apply_masks
 from worker_svc.sampling.logprobs import logits_stats
 from worker_svc.sampling.sampler import filtered_probs, inverse_cdf, uniform
 
@@ -47,10 +48,12 @@ def verify(
     s: SamplingBatch,
     plan_rows: np.ndarray,  # [rows] each row's index in the plan (its sampling parameters)
     cpu_kernels: Any = None,
+    mask_at: np.ndarray | None = None,  # [sum(lens + 1)] each logits row's token mask in s, -1: none
 ) -> Verdict:
     """`cpu_kernels`: the argmax and logsumexp that plain decoding takes (logits_stats), so
     that a greedy row breaks a tie between equal bfloat16 logits the way it would without
-    drafts."""
+    drafts. A masked position (a structured output's grammar) chooses from its masked float32
+    logits, as its decode would (logits_processor, sampler); its log-probabilities stay raw."""
     dev = logits.device
     lens = lens.astype(np.int64)
     width = lens + 1
@@ -62,6 +65,14 @@ def verify(
     draft_at[is_draft] = drafts
     tokens, lse = logits_stats(logits, cpu_kernels)
     logits = logits.float()
+    chosen_from = logits  # what each position draws from: the raw logits, or masked ones
+    masked = np.flatnonzero(mask_at >= 0) if mask_at is not None else np.zeros(0, np.int64)
+    if masked.size:
+        assert mask_at is not None
+        chosen_from = logits.clone()
+        apply_masks(chosen_from, masked, s.token_masks[mask_at[masked]])
+        index = to_device(masked, dev)
+        tokens = tokens.index_copy(0, index, chosen_from.index_select(0, index).argmax(dim=-1).to(tokens.dtype))
     at = to_device(draft_at, dev)
     draft_lp = logits.gather(1, at[:, None]).squeeze(1) - lse
     keep = tokens == at
@@ -70,7 +81,7 @@ def verify(
     if random.size:
         p = params[random]
         min_p = s.min_p[p] if s.min_p.size else None
-        probs = filtered_probs(logits[to_device(random, dev)], s.temperature[p], s.top_p[p], s.top_k[p], min_p)
+        probs = filtered_probs(chosen_from[to_device(random, dev)], s.temperature[p], s.top_p[p], s.top_k[p], min_p)
         index = to_device(random, dev)
         position = s.output_position[p].astype(np.int64) + j[random]
         u_keep = uniform(to_device(s.seed[p] ^ _ACCEPT_STREAM, dev), to_device(position, dev))

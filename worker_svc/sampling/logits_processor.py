@@ -47,11 +47,11 @@ def process_logits(
     if has_history:
         _penalize(out, batch, rows)
     if masked.size:
-        _apply_masks(out, masked, batch.token_masks[mask_of[masked]])
+        apply_masks(out, masked, batch.token_masks[mask_of[masked]])
     return out
 
 
-def _apply_masks(out: torch.Tensor, rows: np.ndarray, masks: np.ndarray) -> None:
+def apply_masks(out: torch.Tensor, rows: np.ndarray, masks: np.ndarray) -> None:
     """-inf on the tokens the grammar of each of `rows` does not allow (masks [len(rows), words])."""
     dev = out.device
     index = to_device(rows, dev)
@@ -64,14 +64,14 @@ def _apply_masks(out: torch.Tensor, rows: np.ndarray, masks: np.ndarray) -> None
     out.index_copy_(0, index, picked)
 
 
-def processed_rows(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
-    """bool [len(rows)]: which of the plan rows `rows` have a bias, a penalized history or a
-    token mask."""
+def processed_rows(batch: SamplingBatch, rows: np.ndarray, masks: bool = True) -> np.ndarray:
+    """bool [len(rows)]: which of the plan rows `rows` have a bias, a penalized history or
+    (with `masks`) a token mask."""
     touched = np.zeros(rows.size, dtype=bool)
     for offsets in (batch.bias_offsets, batch.history_offsets):
         if offsets.size and int(offsets[-1]) > 0:
             touched |= offsets[rows + 1] > offsets[rows]
-    if batch.mask_rows.size:
+    if masks and batch.mask_rows.size:
         touched |= batch.mask_rows[rows] >= 0
     return touched
 

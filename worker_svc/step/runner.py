@@ -84,11 +84,11 @@ class ModelRunner(RunnerSetup):
         drafted = np.flatnonzero(plan.draft_lens) if plan.draft_lens.size else plan.draft_lens
         s = plan.sampling
         if drafted.size and (
-            processed_rows(s, drafted).any()
+            processed_rows(s, drafted, masks=False).any()  # a grammar's masks verify per position
             or (s.num_logprobs.size and s.num_logprobs[drafted].any())
             or (s.prompt_logprobs.size and (s.prompt_logprobs[drafted] >= 0).any())
         ):
-            raise PlanError("draft tokens for a sequence with logit processing, alternatives or prompt scores")
+            raise PlanError("draft tokens for a sequence with a bias, penalties, alternatives or prompt scores")
         self._check_proposals(plan, ends)
 
     def _check_proposals(self, plan: StepPlan, ends: np.ndarray) -> None:
@@ -309,7 +309,12 @@ class ModelRunner(RunnerSetup):
         positions = np.concatenate([np.arange(e - d - 1, e) for e, d in zip(ends.tolist(), lens.tolist())])
         drafts = np.concatenate([plan.input_ids[e - d : e] for e, d in zip(ends.tolist(), lens.tolist())])
         logits = self.model.compute_logits(hidden.index_select(0, to_device(positions, self.device)), upcast=False)
-        return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels)
+        first = plan.sampling.mask_rows[spec] if plan.sampling.mask_rows.size else None
+        masks = None  # a grammar's row has a mask for each of its d + 1 positions, in order
+        if first is not None and (first >= 0).any():
+            per = [np.arange(m, m + d + 1) if m >= 0 else np.full(d + 1, -1) for m, d in zip(first, lens)]
+            masks = np.concatenate(per)
+        return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels, masks)
 
     def _propose(self, plan: StepPlan, sampled: np.ndarray, accepted: np.ndarray | None) -> np.ndarray:
         """The draft model's proposals for the rows that ask, from the token each just sampled,
