@@ -24,8 +24,9 @@ from common.request_limits import RequestLimits
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.request import GenerationRequest, Limits, check_fields
 from scheduler_svc.lora.adapter_registry import MAX_NAME_LENGTH
-from scheduler_svc.text.grammar import MASK_BUDGET_S, MAX_WAITING_COMPILES, GrammarCompiler, fill_masks
+from scheduler_svc.text.grammar import MAX_WAITING_COMPILES, GrammarCompiler
 from scheduler_svc.text.grammar_cache import GrammarCache
+from scheduler_svc.text.grammar_matcher import MASK_BUDGET_S, fill_masks
 from scheduler_svc.text.input_limits import flag_of
 from scheduler_svc.text.structured_output import StructuredOutput, json_depth
 from scheduler_svc.text.tokenizer import Tokenizer

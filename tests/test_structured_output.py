@@ -27,7 +27,8 @@ from common.config import SchedulerConfig
 from common.pb.llmserve.v1 import generation_pb2 as pb
 from common.pb.llmserve.v1 import worker_pb2 as worker_pb
 from common.plan import SamplingBatch
-from scheduler_svc.text.grammar import GrammarCompiler, fill_masks
+from scheduler_svc.text.grammar import GrammarCompiler
+from scheduler_svc.text.grammar_matcher import fill_masks
 from scheduler_svc.text.structured_output import StructuredOutput
 from tests.conftest import Scheduler, collect, request
 from tests.plans import Feed, make_plan

@@ -18,7 +18,7 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_slots import AdapterSlots
 from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from scheduler_svc.text.grammar import fill_masks
+from scheduler_svc.text.grammar_matcher import fill_masks
 
 
 class PlanBuilder:

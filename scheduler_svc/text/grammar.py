@@ -3,9 +3,8 @@
 xgrammar does the work: `GrammarCompiler` turns a StructuredOutput into a compiled grammar
 against the model's tokenizer, once a child process (which a timeout or a cancel kills) has
 compiled it first (`grammar_process`), and keeps it in a cache bounded in bytes
-(`grammar_cache`); `Grammar` is one sequence's matcher, and `fill_masks` writes the packed
-token bitmasks of a step's constrained rows (int32 [rows, ceil(vocab / 32)], bit j of word w
-allows token 32 w + j), which the plan carries to the worker.
+(`grammar_cache`), and gives each sequence its matcher (`grammar_matcher.Grammar`, whose
+module fills a step's token masks).
 
 xgrammar's Python package imports torch and transformers, which the scheduler's own modules
 never do (tests/test_layout.py), so it is imported on the first constrained request only, in
@@ -30,16 +29,14 @@ import contextlib
 import os
 import re
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
 from common.request_limits import RequestLimits
 from scheduler_svc.text.grammar_cache import GrammarCache
+from scheduler_svc.text.grammar_matcher import MASK_BUDGET_S, Grammar, MaskFiller
 from scheduler_svc.text.grammar_process import (
     CompileLane,
     CompilerGone,
@@ -50,9 +47,6 @@ from scheduler_svc.text.grammar_process import (
 from scheduler_svc.text.input_limits import DEFAULT_LIMITS
 from scheduler_svc.text.structured_output import StructuredOutput
 
-# Seconds one grammar's token mask may take in a step (a decode step of a small model on CPU
-# takes 20-50 ms; a normal JSON schema's mask 0.01-1 ms).
-MASK_BUDGET_S = 0.05
 # A compiled grammar may take this share of the cache's bytes at most (--grammar-cache-mb / 8).
 GRAMMAR_CACHE_SHARE = 8
 # Where xgrammar's messages say they were raised: "[07:06:16] /project/cpp/regex_converter.cc:83: ".
@@ -81,7 +75,7 @@ class GrammarCompiler:
         self.max_whitespace = max_whitespace
         self.cache = GrammarCache()
         self._compiler: Any = None  # xgrammar's, in this process
-        self._filler: _MaskFiller | None = None
+        self._filler: MaskFiller | None = None
         self._process: CompilerProcess | None = None
         self._lock = threading.Lock()
         self._lane = CompileLane(MAX_WAITING_COMPILES)
@@ -280,7 +274,7 @@ class GrammarCompiler:
                 # Its own cache never forgets (a client sending a new schema per request would
                 # grow the scheduler without bound): the bounded one here serves instead.
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-                self._filler = _MaskFiller(xgrammar.BatchGrammarMatcher(max_threads=threads))
+                self._filler = MaskFiller(xgrammar.BatchGrammarMatcher(max_threads=threads))
                 self._process = process
             return self._process
 
@@ -288,122 +282,6 @@ class GrammarCompiler:
 def _settle(turn: asyncio.Future[bool], granted: bool) -> None:
     if not turn.done():
         turn.set_result(granted)
-
-
-class Grammar:
-    """One sequence's place in its grammar. Forks copy it; preemption and moving the sequence
-    to another worker group keep it, since it lives with the sequence."""
-
-    def __init__(self, matcher: Any, filler: _MaskFiller, words: int) -> None:
-        self._matcher = matcher
-        self._filler = filler
-        self.words = words  # of its masks: ceil(vocab_size / 32)
-        # Why the sequence cannot go on (its masks grew too slow): its next token is refused.
-        self.failure: ResourceExhausted | None = None
-
-    def accept(self, token: int) -> bool:
-        """Advance past a sampled token; False if the grammar does not allow it, or failed."""
-        return self.failure is None and bool(self._matcher.accept_token(token))
-
-    def allowed_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens`, in order, the grammar allows from here, short of one that
-        would complete it (a draft past the end would be masked by nothing); the matcher is
-        left where it was."""
-        matcher, n = self._matcher, 0
-        if self.failure is None:
-            for token in tokens:
-                if not matcher.accept_token(token):
-                    break
-                n += 1
-                if matcher.is_terminated():
-                    matcher.rollback(1)
-                    n -= 1
-                    break
-            if n:
-                matcher.rollback(n)
-        return n
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted: the sequence ends."""
-        return bool(self._matcher.is_terminated())
-
-    def fork(self) -> Grammar:
-        return Grammar(self._matcher.fork(), self._filler, self.words)
-
-
-class _MaskFiller:
-    """Fills a step's masks, and finds the grammars over the budget.
-
-    Timing each row would cost twice the batch call (0.68 ms against 0.29 ms for 256 rows of
-    a JSON schema) and give up xgrammar's threads where it has several, so the batch is timed. Over the budget, each row is filled
-    again on its own (the matchers have not moved: the masks come out the same) and timed in
-    CPU seconds of this thread, which a busy machine does not stretch as it does the wall
-    clock; the rows over the budget fail. A batch over the budget with no row over it is load,
-    not one grammar: the rows are timed again only once a batch takes twice as long."""
-
-    def __init__(self, batch: Any) -> None:
-        self._batch = batch
-        self._quiet_below = MASK_BUDGET_S
-
-    def fill(self, grammars: list[Grammar], masks: np.ndarray) -> None:
-        start = time.perf_counter()
-        self._batch.batch_fill_next_token_bitmask([g._matcher for g in grammars], masks)
-        took = time.perf_counter() - start
-        if took <= MASK_BUDGET_S:
-            self._quiet_below = MASK_BUDGET_S
-            return
-        if took <= self._quiet_below:
-            return
-        slow = self._fail_slow(grammars, [self._fill_one(g, masks, i) for i, g in enumerate(grammars)])
-        self._quiet_below = MASK_BUDGET_S if slow else 2 * took
-
-    @staticmethod
-    def _fail_slow(grammars: list[Grammar], seconds: list[float]) -> bool:
-        """Fail the grammars whose mask took over the budget; whether there were any."""
-        slow = False
-        for grammar, took in zip(grammars, seconds, strict=True):
-            if took > MASK_BUDGET_S:
-                slow = True
-                grammar.failure = ResourceExhausted(
-                    f"structured_output: its token masks grew to {took * 1e3:.0f} ms a step, over the "
-                    f"{MASK_BUDGET_S * 1e3:.0f} ms a step may spend on one"
-                )
-        return slow
-
-    @staticmethod
-    def _fill_one(grammar: Grammar, masks: np.ndarray, row: int) -> float:
-        start = time.thread_time()
-        grammar._matcher.fill_next_token_bitmask(masks, row)
-        return time.thread_time() - start
-
-
-def fill_masks(grammars: list[Grammar], drafts: list[list[int]] | None = None) -> np.ndarray:
-    """int32 [len(grammars), words]: the tokens each grammar allows next (xgrammar's threads
-    fill the rows in parallel). The grammars come from one compiler. A grammar whose mask
-    took more than MASK_BUDGET_S gets its `failure`.
-
-    With `drafts` (tokens each grammar allows in turn: Grammar.allowed_prefix), grammar i has
-    len(drafts[i]) + 1 consecutive rows: what it allows next, then after each of its drafts,
-    the masks of the positions verification samples at. The matchers end where they began."""
-    if not grammars:
-        return np.zeros((0, 0), np.int32)
-    masks = np.full((len(grammars), grammars[0].words), -1, np.int32)
-    grammars[0]._filler.fill(grammars, masks)
-    if drafts is None or not any(drafts):
-        return masks
-    widths = np.array([len(d) + 1 for d in drafts])
-    first = np.cumsum(widths) - widths
-    out = np.full((int(widths.sum()), masks.shape[1]), -1, np.int32)
-    out[first] = masks
-    for grammar, draft, row in zip(grammars, drafts, first.tolist(), strict=True):
-        matcher = grammar._matcher
-        for j, token in enumerate(draft):
-            matcher.accept_token(token)
-            matcher.fill_next_token_bitmask(out, row + 1 + j)
-        if draft:
-            matcher.rollback(len(draft))
-    return out
 
 
 def _where(spec: StructuredOutput) -> str:
