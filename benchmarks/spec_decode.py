@@ -17,6 +17,9 @@ Workloads, each point with its own seeded prompts (none reuses another's prefix 
     random   throughput.py's random token ids and lengths, greedy, ignore_eos: SmolLM2's output
              soon repeats itself, and the drafts match it
     sampled  the same at temperature 1, seeded: the output hardly repeats, and few drafts come
+    schema   greedy chat under a structured output: a JSON schema of 8-15 objects with the same
+             keys (string values of at most 24 characters); max_tokens 384. The grammar spells
+             the keys, the drafts propose them again within it
 
 A point is a closed loop: --concurrency requests in flight, the next sent as one finishes,
 max(--num-requests, 2 x concurrency) in all. Per point and mode: output tok/s (over the wall
@@ -95,6 +98,8 @@ async def stream(stub: Any, request_id: str, r: Request, seed: int) -> Record:
         sampling=pb.SamplingParams(temperature=r.temperature, seed=seed),
         stopping=pb.StoppingCriteria(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
     )
+    if r.json_schema:
+        request.structured_output.json_schema = r.json_schema
     rec = Record(time.perf_counter(), [], [], [], 0, 0)
     async for msg in stub.Generate(request):
         if msg.token_ids:
@@ -322,7 +327,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", type=lambda t: t.split(","), default=list(WORKLOADS), help="default: all three")
+    p.add_argument("--workloads", type=lambda t: t.split(","), default=list(WORKLOADS), help="default: all")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="requests in flight (default 1,4,16)")
     p.add_argument("--num-requests", type=tput._positive_int, default=16, help="a point's requests, >= 2 x concurrency")
     p.add_argument("--spec-k", type=_ints, default=[4], help="num_speculative_tokens, a server each (default 4)")

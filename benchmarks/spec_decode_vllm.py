@@ -68,6 +68,7 @@ def run(
                         "max_tokens": r.max_tokens,
                         "ignore_eos": r.ignore_eos,
                         "temperature": r.temperature,
+                        "json_schema": r.json_schema,
                     }
                     for r in reqs
                 ],

@@ -5,6 +5,7 @@ function of (workload, count, seed, concurrency): every mode of a point, ours an
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from benchmarks import throughput as tput
 
-WORKLOADS = ("copy", "json", "random", "sampled")
+WORKLOADS = ("copy", "json", "random", "sampled", "schema")
 JSON_MAX_TOKENS = 384
 COPY_SLACK_TOKENS = 16  # the model may add a closing word or newline after the passage
 
@@ -62,6 +63,7 @@ class Request:
     token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     temperature: float = 0.0
+    json_schema: str = ""  # a structured output's JSON schema (empty: none)
 
 
 def build_requests(workload: str, n: int, seed: int, conc: int, tokenizer: Any, cap: int | None) -> list[Request]:
@@ -88,6 +90,14 @@ def build_requests(workload: str, n: int, seed: int, conc: int, tokenizer: Any, 
             text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text + f'[\n  {{\n    "{keys[0]}": ', add_special_tokens=False).input_ids
             out.append(Request(JSON_MAX_TOKENS, token_ids=tuple(ids)))
+        elif workload == "schema":
+            entity, keys = ENTITIES[rng.integers(len(ENTITIES))]
+            count = int(rng.integers(8, 16))
+            item = {"type": "object", "properties": {k: {"type": "string", "maxLength": 24} for k in keys}}
+            item |= {"required": list(keys), "additionalProperties": False}
+            schema = {"type": "array", "minItems": count, "maxItems": count, "items": item}
+            ask = f"Produce a JSON array of {count} {entity} with the keys {', '.join(keys)}."
+            out.append(Request(JSON_MAX_TOKENS, messages=(("user", ask),), json_schema=json.dumps(schema)))
     if workload in ("random", "sampled"):
         temperature = float(workload == "sampled")
         tokens = tput.make_workload(n, int(rng.integers(2**31)), len(tokenizer))

@@ -16,8 +16,8 @@ its stats logging is on): every request arrives at the start, as in our run.
 Points (benchmarks/spec_decode_vllm.py): W.json {"points": [{"name": str, "batch": B,
 "requests": [...]}]} runs each point's requests B at a time, one `generate` call per batch,
 and R.json is {"points": [{"name", "elapsed_s", "output_tokens", "num_requests"}], ...}. A
-request may then carry "ignore_eos": false (it may end at EOS, before max_tokens) and a
-"temperature". --speculative-config passes vLLM's speculative_config (JSON) to the LLM.
+request may then carry "ignore_eos": false (it may end at EOS, before max_tokens), a
+"temperature" and a "json_schema" (a structured output, JSON text). --speculative-config passes vLLM's speculative_config (JSON) to the LLM.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def _point(llm: Any, point: dict[str, Any]) -> dict[str, Any]:
     """A point's requests `batch` at a time, each batch one generate call; timed together."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     reqs, batch = point["requests"], point["batch"]
     counts: list[int] = []
@@ -109,6 +110,7 @@ def _point(llm: Any, point: dict[str, Any]) -> dict[str, Any]:
                 max_tokens=r["max_tokens"],
                 ignore_eos=r.get("ignore_eos", True),
                 seed=i + j,
+                structured_outputs=StructuredOutputsParams(json=r["json_schema"]) if r.get("json_schema") else None,
             )
             for j, r in enumerate(chunk)
         ]

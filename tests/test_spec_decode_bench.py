@@ -1,5 +1,5 @@
 """benchmarks/spec_decode.py end to end at small sizes on SmolLM2: a plain and an n-gram server
-each stream a copy, a random-token and a sampled point; the JSON holds every point's numbers,
+each stream a copy, a random-token, a sampled and a JSON-schema point; the JSON holds every point's numbers,
 the speculative run reports drafts (most kept on the copy), and the scraped counters agree with
 the streams' own stats."""
 
@@ -13,7 +13,8 @@ from tests.conftest import run_benchmark
 
 def test_quick_run_reports_drafts_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
-    args = ["--workloads", "copy,random,sampled", "--concurrency", "1", "--num-requests", "2", "--output-cap", "24"]
+    args = ["--workloads", "copy,random,sampled,schema", "--concurrency", "1", "--num-requests", "2"]
+    args += ["--output-cap", "24"]
     args += ["--retries", "0", "--out", str(out), "--results-dir", str(tmp_path)]
     run_benchmark("benchmarks/spec_decode.py", *args, timeout=300)
     r = json.loads(out.read_text())
@@ -21,7 +22,7 @@ def test_quick_run_reports_drafts_and_the_ratio(tmp_path: Path) -> None:
         "off": [],
         "ngram-k4": ["--speculative-method", "ngram", "--num-speculative-tokens", "4"],
     }
-    assert [(p["workload"], p["concurrency"]) for p in r["points"]] == [("copy", 1), ("random", 1), ("sampled", 1)]
+    assert [p["workload"] for p in r["points"]] == ["copy", "random", "sampled", "schema"]
     for p in r["points"]:
         assert set(p["modes"]) == {"off", "ngram-k4"} and p["ratio_over_off"]["ngram-k4"] > 0
         assert 0 <= p["same_output_share"]["ngram-k4"] <= 1

@@ -18,13 +18,29 @@ def test_vllm_gets_the_prompt_ids_our_server_makes(smollm2_dir: Path) -> None:
     hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
     ours, template = Tokenizer(smollm2_dir), ChatTemplate.from_dir(smollm2_dir)
     assert template is not None
-    for workload in ("copy", "json", "random"):
+    for workload in ("copy", "json", "random", "schema"):
         for r in spec_workloads.build_requests(workload, 3, 0, 1, hf, None):
+            assert bool(r.json_schema) == (workload == "schema")
             ids = spec_decode_vllm.token_ids(r, hf)
             if r.messages:
                 assert ids == ours.encode(template.render(list(r.messages)), False)
             else:
                 assert ids == list(r.token_ids) and ids
+
+
+def test_the_schema_workload_asks_for_objects_with_the_keys_it_names(smollm2_dir: Path) -> None:
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    for r in spec_workloads.build_requests("schema", 4, 0, 4, hf, None):
+        schema = json.loads(r.json_schema)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        keys = schema["items"]["required"]
+        assert schema["minItems"] == schema["maxItems"] and all(k in r.messages[0][1] for k in keys)
+        assert r.max_tokens == spec_workloads.JSON_MAX_TOKENS and r.temperature == 0
 
 
 def test_vllm_drafts_with_our_ngram_lengths_and_k() -> None:
