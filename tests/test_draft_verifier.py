@@ -33,6 +33,15 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None
     assert NgramIndex(2, 2, 1000).propose([1, 2, 3], 2) == []  # nothing repeats
 
 
+def test_a_match_fewer_than_k_tokens_back_drafts_round_its_loop() -> None:
+    """Text caught in a loop (SmolLM2's greedy output often is): the latest occurrence of the
+    suffix is one period back, with fewer than k tokens after it; the draft repeats the period."""
+    index = NgramIndex(min_n=2, max_n=3, window=1000)
+    assert index.propose([5, 1, 2, 3, 1, 2, 3, 1, 2], 6) == [3, 1, 2, 3, 1, 2]
+    assert NgramIndex(2, 3, 1000).propose([7, 2, 2, 2], 4) == [2, 2, 2, 2]
+    assert NgramIndex(2, 3, 1000).propose([7, 8, 9, 7, 8], 2) == [9, 7]  # enough tokens after it
+
+
 def test_prompt_lookup_indexes_a_long_prompt_only_near_its_end() -> None:
     index = NgramIndex(min_n=2, max_n=2, window=10)
     tokens = [1, 2, 3] + list(range(100, 200)) + [1, 2]

@@ -25,8 +25,10 @@ class NgramIndex:
         self._indexed = 0  # n-grams ending before this position are in the index
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` (at least min_n long) that occurred before; [] when none did."""
+        """`k` tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (at least min_n long) that occurred before; [] when none did. An occurrence
+        fewer than k tokens back is a loop of that period: the draft goes round it again
+        (the latest occurrence has fewer tokens after it than an earlier one, but the same)."""
         total = len(tokens)
         # An n-gram ending at e is indexed once a token follows it (e < total): the suffix
         # itself (ending at total) never matches its own occurrence.
@@ -34,7 +36,11 @@ class NgramIndex:
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
             end = self._ends.get(tuple(tokens[total - n : total]))
             if end is not None:
-                return list(tokens[end : min(end + k, total)])
+                out = list(tokens[end : min(end + k, total)])
+                period = total - end
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def _extend(self, tokens: Sequence[int], upto: int) -> None:
