@@ -75,13 +75,32 @@ def test_smollm2_copying_keeps_drafts_and_equals_transformers(smollm2_dir: Path,
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40, pad_token_id=0)[0, len(ids) :]
+        run = model.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=40,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    want = run.sequences[0, len(ids) :]
+    want_lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(run.scores, want.tolist())]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     stop = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=["voice"])
     with LLM(str(smollm2_dir), speculative_config={**SPEC, "method": method}, **ENGINE) as llm:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         drafter = llm._engine.engine.replicas[0].scheduler.drafter  # type: ignore[union-attr]
         stopped = llm.generate([{"prompt_token_ids": ids}], stop, use_tqdm=False)[0].outputs[0]
+        assert drafter is not None
+        kept = drafter.accepted_total
+        # logprobs=0, each chosen token's log-probability without alternatives: it drafts too,
+        # each kept draft with its own log-probability.
+        scored = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+        with_lps = llm.generate([{"prompt_token_ids": ids}], scored, use_tqdm=False)[0].outputs[0]
+        assert drafter.accepted_total >= kept + 15
+    assert list(with_lps.token_ids) == want.tolist() and with_lps.logprobs is not None
+    got_lps = [entry[t].logprob for entry, t in zip(with_lps.logprobs, with_lps.token_ids)]
+    assert got_lps == pytest.approx(want_lps, abs=1e-3)
     # A stop string inside a step's kept drafts ends the output there, tokens and text alike.
     assert stopped.finish_reason == "stop" and stopped.text == out.text[: out.text.index("voice")]
     assert (

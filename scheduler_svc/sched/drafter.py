@@ -9,7 +9,8 @@ them, and the next step verifies them. A sequence drafts only where verification
 outputs exactly as they would be: plain greedy or random sampling, or under a structured
 output's grammar (drafts cut where it stops allowing them, each verified position masked as
 its decode would be), no other logit processing (bias, penalties, min_tokens bans), no
-alternatives or prompt scores, one sequence in its group.
+alternatives (logprobs of the chosen tokens alone are fine) or prompt scores, one sequence in
+its group.
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ class Drafter:
         o = seq.sampling
         return (
             (seq.grammar is None or seq.grammar.failure is None)
-            and o.logprobs is None
+            # Each kept draft's own log-probability comes back with it (draft_verifier), so
+            # logprobs without alternatives (0) draft too.
+            and not o.logprobs
             and o.prompt_logprobs is None
             and not o.penalized
             and not o.logit_bias
