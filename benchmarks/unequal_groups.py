@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,30 @@ async def _drive(port: int, args: argparse.Namespace) -> list[tuple[int, float, 
         return phases
 
 
+def _wait_groups(metrics_port: int, want: int, timeout_s: float = 120.0) -> None:
+    """Until the scheduler serves with `want` worker groups (each reports its KV blocks): it
+    serves once one is ready, and a closed loop begun then could run on that one alone."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        ready = {
+            s.labels["group"]
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "llmserve:group_gpu_blocks" and s.value > 0
+        }
+        if len(ready) >= want:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the scheduler did not report {want} worker groups in {timeout_s:.0f} s")
+
+
 def run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     ports = {"fast": _free_port(), "slow": _free_port()}
     cost = {"fast": 1.0, "slow": args.slowdown}
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     with tempfile.TemporaryDirectory(prefix="llmserve-unequal-") as tmp:
         logs = {name: Path(tmp) / f"{name}.json" for name in ports}
         standins = {
@@ -104,13 +125,14 @@ def run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             for name in ports
         }
         cmd = [sys.executable, "-m", "llmserve.cli", "--log-level", "warning", "scheduler", "--model", str(model)]
-        cmd += ["--port", str(port)]
+        cmd += ["--port", str(port), "--metrics-port", str(metrics_port)]
         for name in ("slow", "fast"):  # the slow one first: a tie between unmeasured groups goes to it
             cmd += ["--worker", f"127.0.0.1:{ports[name]}"]
         scheduler = subprocess.Popen(cmd, cwd=REPO_ROOT)
         procs = [scheduler, *standins.values()]
         try:
             asyncio.run(_wait_ready(port, *procs))
+            _wait_groups(metrics_port, len(ports))
             phases = asyncio.run(_drive(port, args))
         finally:
             for proc in procs:
