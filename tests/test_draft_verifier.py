@@ -77,14 +77,12 @@ def test_a_masked_position_keeps_the_draft_its_grammar_would_choose() -> None:
     for i, t in enumerate([3, 4, 6]):
         logits[i, t] = 5.0
     logits[2, 5] = 7.0  # above 6, but the third mask allows only 6
-    s = batch(1)
-    s = SamplingBatch(
-        **{**s.__dict__, "mask_rows": np.array([0], np.int32), "token_masks": _packed([[3], [4], [6]], vocab)}
-    )
+    masks = {"mask_rows": np.array([0], np.int32), "token_masks": _packed([[3], [4], [6]], vocab)}
+    s = SamplingBatch(**{**batch(1).__dict__, **masks})  # the row's 3 masks, from mask row 0 on
     drafts = np.array([3, 4], np.int32)
-    unmasked = verify(logits, drafts, np.array([2], np.int32), s, np.arange(1))
+    unmasked = verify(logits, drafts, np.array([2], np.int32), batch(1), np.arange(1))
     assert unmasked.accepted.tolist() == [0] and unmasked.tokens.tolist() == [9]
-    v = verify(logits, drafts, np.array([2], np.int32), s, np.arange(1), mask_at=np.array([0, 1, 2]))
+    v = verify(logits, drafts, np.array([2], np.int32), s, np.arange(1))
     assert v.accepted.tolist() == [2] and v.tokens.tolist() == [6]
     assert np.allclose(v.logprobs[0], float(logits[2, 6] - torch.logsumexp(logits[2], -1)))
 

@@ -92,11 +92,7 @@ class ResultApplier:
                 continue
             token, logprob = sampled[i], logprobs[i]
             if seq.grammar is not None and not seq.grammar.accept(token):
-                # The worker applied the grammar's mask: either the mask allowed no token (a
-                # grammar this vocabulary cannot spell) or the worker is broken. The output
-                # cannot go on, and the token is not the client's to see: an event without one.
-                ended = self.queues.finish_seq(seq.seq_id, FinishReason.ABORTED)
-                events.append(TokenEvent(group, seq, -1, 0.0, FinishReason.ABORTED, ended))
+                events.append(self._refused(group, seq))
                 continue
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
@@ -154,12 +150,8 @@ class ResultApplier:
         bm.trim(seq.seq_id, bm.blocks_for(e))
         events: list[TokenEvent] = []
         for t, lp in zip([*kept, token], [*lps, logprob]):
-            if seq.grammar is not None and not seq.grammar.accept(t):
-                # Drafts were cut where the grammar stops allowing them and each position was
-                # masked (plan_builder): as for a decode, a refused token means a broken worker
-                # or a grammar this vocabulary cannot spell.
-                ended = self.queues.finish_seq(seq.seq_id, FinishReason.ABORTED)
-                events.append(TokenEvent(group, seq, -1, 0.0, FinishReason.ABORTED, ended))
+            if seq.grammar is not None and not seq.grammar.accept(t):  # drafts were cut and masked alike
+                events.append(self._refused(group, seq))
                 return events
             seq.token_ids.append(t)
             seq.cumulative_logprob += lp
@@ -173,6 +165,14 @@ class ResultApplier:
         if e // bm.block_size != c // bm.block_size:
             bm.commit(seq.seq_id, seq.token_ids, e, group.cache_salt)
         return events
+
+    def _refused(self, group: SequenceGroup, seq: Sequence) -> TokenEvent:
+        """A token the sequence's grammar refuses, though the worker applied its mask: either
+        the mask allowed no token (a grammar this vocabulary cannot spell) or the worker is
+        broken. The output cannot go on, and the token is not the client's to see: an event
+        without one."""
+        ended = self.queues.finish_seq(seq.seq_id, FinishReason.ABORTED)
+        return TokenEvent(group, seq, -1, 0.0, FinishReason.ABORTED, ended)
 
     def _collect_prompt_logprobs(self, seqs: list[Sequence], plan: StepPlan, result: StepResult) -> None:
         """Append the scores of prompt positions the group still lacks, in order; entry k of a

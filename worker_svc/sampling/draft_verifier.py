@@ -48,12 +48,12 @@ def verify(
     s: SamplingBatch,
     plan_rows: np.ndarray,  # [rows] each row's index in the plan (its sampling parameters)
     cpu_kernels: Any = None,
-    mask_at: np.ndarray | None = None,  # [sum(lens + 1)] each logits row's token mask in s, -1: none
 ) -> Verdict:
     """`cpu_kernels`: the argmax and logsumexp that plain decoding takes (logits_stats), so
     that a greedy row breaks a tie between equal bfloat16 logits the way it would without
-    drafts. A masked position (a structured output's grammar) chooses from its masked float32
-    logits, as its decode would (logits_processor, sampler); its log-probabilities stay raw."""
+    drafts. A row with a structured output's grammar has a mask for each of its d + 1
+    positions, from s.mask_rows on: each position chooses from its masked float32 logits, as
+    its decode would (logits_processor, sampler); log-probabilities stay raw."""
     dev = logits.device
     lens = lens.astype(np.int64)
     width = lens + 1
@@ -63,20 +63,20 @@ def verify(
     is_draft = j < lens[row_of]
     draft_at = np.zeros(j.size, np.int64)
     draft_at[is_draft] = drafts
+    params = plan_rows[row_of]
     tokens, lse = logits_stats(logits, cpu_kernels)
     logits = logits.float()
     chosen_from = logits  # what each position draws from: the raw logits, or masked ones
-    masked = np.flatnonzero(mask_at >= 0) if mask_at is not None else np.zeros(0, np.int64)
+    first_mask = s.mask_rows[params] if s.mask_rows.size else np.full(j.size, -1)
+    masked = np.flatnonzero(first_mask >= 0)
     if masked.size:
-        assert mask_at is not None
         chosen_from = logits.clone()
-        apply_masks(chosen_from, masked, s.token_masks[mask_at[masked]])
+        apply_masks(chosen_from, masked, s.token_masks[first_mask[masked] + j[masked]])
         index = to_device(masked, dev)
         tokens = tokens.index_copy(0, index, chosen_from.index_select(0, index).argmax(dim=-1).to(tokens.dtype))
     at = to_device(draft_at, dev)
     draft_lp = logits.gather(1, at[:, None]).squeeze(1) - lse
     keep = tokens == at
-    params = plan_rows[row_of]
     random = np.flatnonzero(s.temperature[params] > 0)
     if random.size:
         p = params[random]

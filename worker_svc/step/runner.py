@@ -309,12 +309,7 @@ class ModelRunner(RunnerSetup):
         positions = np.concatenate([np.arange(e - d - 1, e) for e, d in zip(ends.tolist(), lens.tolist())])
         drafts = np.concatenate([plan.input_ids[e - d : e] for e, d in zip(ends.tolist(), lens.tolist())])
         logits = self.model.compute_logits(hidden.index_select(0, to_device(positions, self.device)), upcast=False)
-        first = plan.sampling.mask_rows[spec] if plan.sampling.mask_rows.size else None
-        masks = None  # a grammar's row has a mask for each of its d + 1 positions, in order
-        if first is not None and (first >= 0).any():
-            per = [np.arange(m, m + d + 1) if m >= 0 else np.full(d + 1, -1) for m, d in zip(first, lens)]
-            masks = np.concatenate(per)
-        return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels, masks)
+        return verify(logits, drafts, lens, plan.sampling, spec, self._cpu_kernels)
 
     def _propose(self, plan: StepPlan, sampled: np.ndarray, accepted: np.ndarray | None) -> np.ndarray:
         """The draft model's proposals for the rows that ask, from the token each just sampled,
