@@ -33,7 +33,6 @@ import random
 import signal
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
 from recovery_bench import Cluster  # noqa: E402
 from throughput import RESULTS_DIR, _vocab_size, _wait_serving, machine, make_workload  # noqa: E402
 
+from benchmarks.prometheus_scrape import summed  # noqa: E402
 from common import log as logsetup  # noqa: E402
 
 log = structlog.get_logger("benchmark")
@@ -126,14 +126,10 @@ class ChaosCluster(Cluster):
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's unlabelled-by-group gauges and counters, summed over label sets."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        out: dict[str, float] = collections.defaultdict(float)
-        for line in text.splitlines():
-            if line.startswith("llmserve:") and " " in line:
-                name, value = line.rsplit(" ", 1)
-                out[name.split("{", 1)[0]] += float(value)
-        return out
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return collections.defaultdict(
+            float, summed(url, lambda s: s.name if s.name.startswith("llmserve:") else None, timeout=5)
+        )
 
     def scheduler_rss_mib(self) -> float:
         assert self.scheduler.proc is not None

@@ -46,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the packages importa
 
 from benchmarks import throughput as tput  # noqa: E402
 from benchmarks.long_context_sched import BLOCK, kv_efficiency, prompt, run_plan  # noqa: E402
+from benchmarks.prometheus_scrape import summed  # noqa: E402
 from benchmarks.step_overlap import write_result  # noqa: E402
 
 log = tput.log
@@ -74,18 +75,8 @@ def build_tiny_model(out: Path, tokenizer_from: Path, context: int, window: int,
 
 
 def scrape(url: str) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:  # summed over labels, but for the step parts
-            key = f"{s.name}:{s.labels['part']}" if "part" in s.labels else s.name
-            out[key] = out.get(key, 0.0) + s.value
-    return out
+    # Summed over labels, but for the step parts.
+    return summed(url, lambda s: f"{s.name}:{s.labels['part']}" if "part" in s.labels else s.name)
 
 
 def window_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

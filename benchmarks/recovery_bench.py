@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
 
 from throughput import RESULTS_DIR, _free_port, _Server, _vocab_size, _wait_serving, machine, make_workload  # noqa: E402
 
+from benchmarks.prometheus_scrape import summed  # noqa: E402
 from common import log as logsetup  # noqa: E402
 
 log = structlog.get_logger("benchmark")
@@ -117,13 +117,8 @@ class Cluster:
             server.stop()
 
     def recovered(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("llmserve:requests_recovered_total{")
-        )
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return summed(url, timeout=5).get("llmserve:requests_recovered_total", 0.0)
 
 
 async def _groups(stub: Any) -> int:

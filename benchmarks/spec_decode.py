@@ -49,7 +49,6 @@ import datetime as dt
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,6 @@ from typing import Any
 import grpc
 import numpy as np
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the packages, not installed
@@ -66,6 +64,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc  # noqa: E
 
 from benchmarks import spec_decode_vllm as spec_vllm  # noqa: E402
 from benchmarks import throughput as tput  # noqa: E402
+from benchmarks.prometheus_scrape import summed  # noqa: E402
 from benchmarks.spec_workloads import WORKLOADS, Request, build_requests  # noqa: E402
 from benchmarks.step_overlap import write_result  # noqa: E402
 from common.pb.llmserve.v1 import generation_pb2 as pb  # noqa: E402
@@ -114,10 +113,7 @@ async def stream(stub: Any, request_id: str, r: Request, seed: int) -> Record:
 
 
 def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name in SPEC_METRICS]
-    return {key: sum(s.value for s in samples if SPEC_METRICS[s.name] == key) for key in SPEC_METRICS.values()}
+    return {key: 0.0 for key in SPEC_METRICS.values()} | summed(url, lambda s: SPEC_METRICS.get(s.name))
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -351,20 +351,16 @@ async def _generate(stub: Any, request_id: str, prompt: list[int], max_tokens: i
 
 def _scrape_parts(metrics_url: str) -> dict[str, float]:
     """The scheduler's step counters: seconds per part ("part:NAME") and "steps"."""
-    import urllib.request
+    from prometheus_client.samples import Sample
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from benchmarks.prometheus_scrape import summed
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "llmserve:step_part_seconds_total":
-                out[f"part:{sample.labels['part']}"] = sample.value
-            elif sample.name == "llmserve:steps_total":
-                out["steps"] = sample.value
-    return out
+    def key(s: Sample) -> str | None:
+        if s.name == "llmserve:step_part_seconds_total":
+            return f"part:{s.labels['part']}"
+        return "steps" if s.name == "llmserve:steps_total" else None
+
+    return summed(metrics_url, key)
 
 
 # Display order of the parts: the scheduler's, then the worker's (worker_svc/step/step_profile.py).

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the packages importable without install
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.prometheus_scrape import samples  # noqa: E402
 from benchmarks.step_overlap import _free_port, _wait_ready, write_result  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -97,15 +97,11 @@ async def _drive(port: int, args: argparse.Namespace) -> list[tuple[int, float, 
 def _wait_groups(metrics_port: int, want: int, timeout_s: float = 120.0) -> None:
     """Until the scheduler serves with `want` worker groups (each reports its KV blocks): it
     serves once one is ready, and a closed loop begun then could run on that one alone."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         ready = {
             s.labels["group"]
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
+            for s in samples(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
             if s.name == "llmserve:group_gpu_blocks" and s.value > 0
         }
         if len(ready) >= want:
