@@ -45,18 +45,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model directory (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--max-num-seqs", type=bench._positive_int, default=None, help="engine flag, both paths")
     p.add_argument("--max-num-batched-tokens", type=bench._positive_int, default=None, help="engine flag, both paths")
+    p.add_argument("--block-size", type=bench._positive_int, default=None, help="engine flag, both paths")
     p.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
+    p.add_argument("--results-dir", type=Path, default=bench.RESULTS_DIR, help="where the dated JSON and logs go")
     args = p.parse_args(argv)
     args.profile_steps = False  # run_ours reads it; neither path pays for step timing
     return args
 
 
+def engine_flags(args: argparse.Namespace) -> dict[str, int | None]:
+    """The engine flags both paths get (throughput.run_ours passes the same to `llmserve up`)."""
+    return {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size")}
+
+
 def run_offline(args: argparse.Namespace, workload: bench.Workload, model_dir: Path) -> dict[str, Any]:
     from llmserve import LLM, SamplingParams
 
-    flags = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     bench.log.info("benchmark_phase", engine="offline", phase="start")
-    with LLM(str(model_dir), dtype=args.dtype, **{k: v for k, v in flags.items() if v is not None}) as llm:
+    with LLM(str(model_dir), dtype=args.dtype, **{k: v for k, v in engine_flags(args).items() if v is not None}) as llm:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate({"prompt_token_ids": workload[0][0][:16]}, warm, use_tqdm=False)
         prompts = [{"prompt_token_ids": p} for p, _ in workload]
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         # Each path goes first every other round, so a drift within a round favours neither.
         for path in ("grpc", "offline") if r % 2 == 0 else ("offline", "grpc"):
             if path == "grpc":
-                runs["grpc"].append(bench.run_ours(args, workload, model_dir, f"{stamp}-{r + 1}"))
+                runs["grpc"].append(bench.run_ours(args, workload, model_dir, f"{stamp}-{r + 1}", args.results_dir))
             else:
                 runs["offline"].append(run_offline(args, workload, model_dir))
     paired = [o["output_tokens_per_s"] / g["output_tokens_per_s"] for g, o in zip(runs["grpc"], runs["offline"])]
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             "ignore_eos": True,
             "temperature": 0.0,
         },
-        "engine_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "engine_flags": engine_flags(args),
         "machine": bench.machine(),
         "runs": {name: [r["output_tokens_per_s"] for r in rs] for name, rs in runs.items()},
         "paired_ratios_offline_over_grpc": paired,
@@ -119,8 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, (g, o, ratio) in enumerate(zip(result["runs"]["grpc"], result["runs"]["offline"], paired), 1):
         print(f"{i:<7}{g:>12.1f}{o:>15.1f}{ratio:>13.2f}x")
     print(f"median offline / grpc: {result['ratio_offline_over_grpc']:.2f}x")
-    bench.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    for path in [bench.RESULTS_DIR / f"offline-throughput-{stamp}.json"] + ([args.out] if args.out else []):
+    for path in [args.results_dir / f"offline-throughput-{stamp}.json"] + ([args.out] if args.out else []):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         bench.log.info("result_written", path=str(path))

@@ -449,7 +449,10 @@ async def _serve_and_drive(address: str, server: _Server, workload: Workload, me
     return await _drive(address, workload, metrics_url)
 
 
-def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str) -> dict[str, Any]:
+def run_ours(
+    args: argparse.Namespace, workload: Workload, model_dir: Path, stamp: str, results_dir: Path = RESULTS_DIR
+) -> dict[str, Any]:
+    """`llmserve up` with args' engine flags, driven with the workload; its log goes to results_dir."""
     port, metrics_port = _free_port(), _free_port()
     cmd = [
         sys.executable,
@@ -474,7 +477,7 @@ def run_ours(args: argparse.Namespace, workload: Workload, model_dir: Path, stam
         cmd += ["--block-size", str(args.block_size)]
     if args.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server = _Server(cmd, RESULTS_DIR / f"server-{stamp}.log")
+    server = _Server(cmd, results_dir / f"server-{stamp}.log")
     address = f"127.0.0.1:{port}"
     log.info("benchmark_phase", engine="ours", phase="start_server", address=address)
     try:
