@@ -128,6 +128,16 @@ async def run_streams(stub: generation_pb2_grpc.GenerationStub, n: int, tokens: 
     return StreamRun(statistics.median(gaps), [c for _, c in results], time.perf_counter() - start)
 
 
+# Prompts of each oversized kind, all sent at once.
+OVERSIZED_PROMPTS = 8
+BIG_PROMPT_BYTES = 4 * MIB
+
+
+def oversized_prompt_bytes(max_prompt_bytes: int) -> int:
+    """The text of every oversized prompt hostile_requests sends, together."""
+    return OVERSIZED_PROMPTS * (BIG_PROMPT_BYTES + max_prompt_bytes + 1)
+
+
 def hostile_requests(max_prompt_bytes: int) -> list[tuple[str, pb.GenerateRequest]]:
     def schema(text: str) -> pb.GenerateRequest:
         return pb.GenerateRequest(
@@ -138,10 +148,13 @@ def hostile_requests(max_prompt_bytes: int) -> list[tuple[str, pb.GenerateReques
 
     short = pb.StoppingCriteria(max_tokens=4)
     return [
-        *(("prompt_4mib", pb.GenerateRequest(prompt="a" * (4 * MIB), stopping=short)) for _ in range(8)),
+        *(
+            ("prompt_4mib", pb.GenerateRequest(prompt="a" * BIG_PROMPT_BYTES, stopping=short))
+            for _ in range(OVERSIZED_PROMPTS)
+        ),
         *(
             ("prompt_over_max_prompt_bytes", pb.GenerateRequest(prompt="b" * (max_prompt_bytes + 1), stopping=short))
-            for _ in range(8)
+            for _ in range(OVERSIZED_PROMPTS)
         ),
         ("schema_max_length_100000", schema(MAX_LENGTH_SCHEMA)),
         ("schema_2000_deep", schema(DEEP_SCHEMA)),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hostile_input import EXPECTED, NAMES, measure
+from benchmarks.hostile_input import EXPECTED, MIB, NAMES, measure, oversized_prompt_bytes
 from common.request_limits import RequestLimits
 from tests.conftest import WorkerProcess, start_scheduler, start_worker, stop_scheduler
 
@@ -35,8 +35,7 @@ TOKENS = 384  # per stream: 16 x 384 = 6,144 gaps per run, longer than the hosti
 # allocator, and is still nothing like what the requests asked for: the 8 prompts over
 # --max-prompt-bytes tokenized would add 8 x 1M token ids (300 MiB), and bringing the maxLength
 # schema's grammar over from the compiler process in xgrammar's serialized form added 100 MiB.
-HOSTILE_MIB = 8 * 4 + 8 * 1
-MAX_RSS_GROWTH_MIB = 4 * HOSTILE_MIB + 32
+MAX_RSS_GROWTH_MIB = 4 * oversized_prompt_bytes(RequestLimits().max_prompt_bytes) / MIB + 32
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.lora.adapter_slots import AdapterSlots
 from scheduler_svc.sched.sequence import Sequence
 from scheduler_svc.sched.sequence_group import SequenceGroup
-from scheduler_svc.text.grammar_matcher import fill_masks
+from scheduler_svc.text.grammar_matcher import fill_masks, first_mask_rows
 
 
 class PlanBuilder:
@@ -185,9 +185,8 @@ def _masks(seqs: list[Sequence], rows: list[int], n: int) -> tuple[np.ndarray, n
     if not rows:
         return _NONE_I32, _NO_MASKS
     drafts = [seqs[i].draft for i in rows]
-    widths = np.array([len(d) + 1 for d in drafts], dtype=np.int32)
     mask_rows = np.full(n, -1, np.int32)
-    mask_rows[rows] = np.cumsum(widths) - widths
+    mask_rows[rows] = first_mask_rows(drafts)
     grammars = [seqs[i].grammar for i in rows]
     assert all(grammars), "a constrained row without a grammar"
     return mask_rows, fill_masks(grammars, drafts)  # type: ignore[arg-type]

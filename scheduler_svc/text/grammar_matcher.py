@@ -110,6 +110,13 @@ class MaskFiller:
         return time.thread_time() - start
 
 
+def first_mask_rows(drafts: list[list[int]]) -> np.ndarray:
+    """int32 [len(drafts)]: the first of each row's masks when a row with d drafts has d + 1
+    of them, in order (fill_masks' layout, the plan's mask_rows)."""
+    widths = np.array([len(d) + 1 for d in drafts], dtype=np.int32)
+    return np.cumsum(widths, dtype=np.int32) - widths
+
+
 def fill_masks(grammars: list[Grammar], drafts: list[list[int]] | None = None) -> np.ndarray:
     """int32 [len(grammars), words]: the tokens each grammar allows next (xgrammar's threads
     fill the rows in parallel). The grammars come from one compiler. A grammar whose mask
@@ -124,9 +131,8 @@ def fill_masks(grammars: list[Grammar], drafts: list[list[int]] | None = None) -
     grammars[0]._filler.fill(grammars, masks)
     if drafts is None or not any(drafts):
         return masks
-    widths = np.array([len(d) + 1 for d in drafts])
-    first = np.cumsum(widths) - widths
-    out = np.full((int(widths.sum()), masks.shape[1]), -1, np.int32)
+    first = first_mask_rows(drafts)
+    out = np.full((int(first[-1]) + len(drafts[-1]) + 1, masks.shape[1]), -1, np.int32)
     out[first] = masks
     for grammar, draft, row in zip(grammars, drafts, first.tolist(), strict=True):
         matcher = grammar._matcher
