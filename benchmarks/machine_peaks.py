@@ -1,7 +1,7 @@
 """The machine's GEMM rate and stream read bandwidth, measured for benchmarks/roofline.py.
 
-GEMM: for bfloat16, the worker's own path (oneDNN: `mkldnn._reorder_linear_weight` once, then
-`mkldnn._linear_pointwise` per call, worker_svc/layers/tp_layers.py); for float32, F.linear.
+GEMM: for bfloat16, the worker's own path (the weight packed once, kernels/cpu_linear.py: our
+AVX512-BF16 kernel where the CPU has it, else oneDNN's); for float32, F.linear.
 Each shape gets random weights and inputs of M rows, a warm-up call, then the best of a few
 timed repeats of several calls. A set of shapes (a layer's projections) is reported as its
 total flops over its total best time: the rate a layer would see.
@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-# The M the worker's packed layout is tuned for (worker_svc/layers/tp_layers.py).
-PACK_BATCH_HINT = 64
 
 
 def l3_bytes() -> int | None:
@@ -68,10 +66,12 @@ def _gemm(m: int, k: int, n: int, dtype: Any, min_s: float, repeats: int) -> flo
     weight = torch.randn(n, k, dtype=dtype) * 0.02
     x = torch.randn(m, k, dtype=dtype)
     if dtype == torch.bfloat16:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        from kernels.cpu_linear import PackedLinear
+
+        packed = PackedLinear(weight)
 
         def call() -> None:
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            packed(x)
     else:
 
         def call() -> None:

@@ -65,6 +65,12 @@ SIGNATURES: dict[str, list[type]] = {
 SUFFIXES = ("f32", "bf16")
 # Entry points that return a status (0 = done); the others return nothing.
 RETURNS: dict[str, type] = {"paged_attention": c_int}
+# Entry points of one dtype only (bfloat16 GEMMs, linear.cpp): full name -> (argtypes, restype).
+SINGLE: dict[str, tuple[list[type], type | None]] = {
+    "packed_linear_elems": ([c_int, c_int], c_int64),
+    "pack_linear_bf16": ([_P, c_int64, c_int, c_int, _P], c_int),
+    "linear_bf16": ([_P, c_int64, c_int, c_int, _P, c_int, _P, _P, c_int64, c_int], c_int),
+}
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -82,6 +88,11 @@ def compiler() -> str:
         if name and shutil.which(name):
             return name
     raise CpuKernelsUnavailable("no C++ compiler found (set CXX, or install g++)")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it does not say)."""
+    return frozenset(_cpu_signature().partition(":")[2].split())
 
 
 def _cpu_signature() -> str:
@@ -163,5 +174,9 @@ def load(variant: str = "native") -> ctypes.CDLL:
                     fn = getattr(lib, f"llmserve_{name}_{suffix}")
                     fn.argtypes = argtypes
                     fn.restype = RETURNS.get(name)
+            for name, (argtypes, restype) in SINGLE.items():
+                fn = getattr(lib, f"llmserve_{name}")
+                fn.argtypes = argtypes
+                fn.restype = restype
             _loaded[variant] = lib
         return lib

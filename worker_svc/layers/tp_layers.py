@@ -25,21 +25,21 @@ its range embed to zero before the all-reduce, and the gathered logits are cut b
 With tp = 1 every layer is one F.linear / F.embedding over the whole weight, exactly what the
 single-process worker computed before.
 
-On the CPU, `pack_for_cpu` hands a bfloat16 weight to oneDNN once, in the blocked layout its
-AMX/AVX-512 GEMMs read (`mkldnn._reorder_linear_weight`), instead of F.linear reordering it on
-every call; the result is the same, bit for bit. The plain copy is then dropped (except the
-embedding's, which a tied LM head shares).
+On the CPU, `pack_for_cpu` packs a bfloat16 weight once for the GEMM that reads it
+(kernels/cpu_linear.py: our AVX512-BF16 kernel, else oneDNN's blocked layout), instead of
+F.linear reordering it on every call. The plain copy is then dropped (except the embedding's,
+which a tied LM head shares).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_linear import PackedLinear, can_pack
 from worker_svc.device.parallel import ParallelGroup
 from worker_svc.layers.replicated import Loaded, RowWindow, copy_checked, load_replicated, loaded_shape
 
@@ -80,36 +80,16 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-# The M the packed layout is tuned for; any M works (a typical decode batch).
-_PACK_BATCH_HINT = 64
-
-
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold this weight packed: a bfloat16 CPU weight, on a CPU whose
-    instructions oneDNN's bfloat16 GEMMs need (AVX-512 or AVX-NE-CONVERT)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packs_bf16()
-
-
-@functools.cache
-def _onednn_packs_bf16() -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:  # oneDNN refuses, with a RuntimeError, on CPUs without those instructions
-        _pack(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    """Whether this weight can be held packed for a CPU GEMM (a bfloat16 CPU weight)."""
+    return can_pack(weight)
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedLinear | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed(x, bias)
     return F.linear(x, weight, bias)
 
 
@@ -135,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(s.size for s in shards.values())
         self.weight = _param(out_local, in_features, dtype=dtype)  # [out / tp, in]
         self.bias = _param(out_local, dtype=dtype) if bias else None
-        self.packed: torch.Tensor | None = None  # see pack_for_cpu
+        self.packed: PackedLinear | None = None  # see pack_for_cpu
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -184,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
             start += shard.total
 
     def pack_for_cpu(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = PackedLinear(self.weight)
         _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +239,7 @@ class RowParallelLinear(nn.Module):
         self.shard = _even(in_features, group, "input features")
         self.weight = _param(out_features, self.shard.size, dtype=dtype)  # [out, in / tp]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.packed: torch.Tensor | None = None  # see pack_for_cpu
+        self.packed: PackedLinear | None = None  # see pack_for_cpu
         self.bias = _param(out_features, dtype=dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = load_replicated  # type: ignore[attr-defined]
@@ -273,7 +253,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, loaded[:, self.shard.start : self.shard.start + self.shard.size], "weight")
 
     def pack_for_cpu(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = PackedLinear(self.weight)
         _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,10 +329,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.group, self.vocab_size, self.shard = group, vocab_size, tied.shard
             self.weight = tied.weight  # the same Parameter: loaded once, as the embedding
         self.tied = tied is not None
-        self.packed: torch.Tensor | None = None  # see pack_for_cpu
+        self.packed: PackedLinear | None = None  # see pack_for_cpu
 
     def pack_for_cpu(self) -> None:
-        self.packed = _pack(self.weight)
+        self.packed = PackedLinear(self.weight)
         if not self.tied:  # a tied weight still embeds the input ids
             _drop(self.weight)
 

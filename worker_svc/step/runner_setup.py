@@ -21,6 +21,7 @@ from common.config import WorkerConfig
 from common.model_spec import served_context
 from common.plan import StepPlan, StepResult
 from common.worker_info import WorkerInfo
+from kernels.cpu_linear import own_kernel
 from kernels.fused_moe import BLOCK_M, moe_block_m_tokens
 from kernels.paged_attention import MERGE_PADS, decode_shapes, decode_workspace
 from worker_svc.device.parallel import SINGLE, ParallelGroup, bind_device, dist_backend
@@ -113,8 +114,11 @@ class RunnerSetup(ABC):
         # What the last step sampled, by sequence: the next plan's deferred inputs. The only
         # thing a worker carries from one step to the next.
         self._last_sampled: dict[int, int] = {}
-        # oneDNN builds a GEMM per row count: keep the CPU kernels' counts to a few buckets.
-        self._gemm_buckets = gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" else None
+        # oneDNN builds a GEMM per row count: keep its counts to a few buckets (our bf16 GEMM has no need).
+        own_gemm = self.dtype == torch.bfloat16 and own_kernel()
+        self._gemm_buckets = (
+            gemm_buckets(config.max_num_batched_tokens) if self.attention_backend == "cpu" and not own_gemm else None
+        )
         self.shape = self.model.shape
         self.block_size = config.cache.block_size
         self._graphs: DecodeGraphs | None = None  # eager until captured, below (profiling runs steps)

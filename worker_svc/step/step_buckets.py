@@ -4,7 +4,9 @@ Two things key their work on the exact number of rows of a step:
 
   - oneDNN builds (JIT-compiles) a GEMM primitive per input shape and caches it; a batch that
     shrinks by a row or two every step would build a new one for every layer shape each time
-    (measured here: ~9 ms a step, on the CPU worker's critical path);
+    (measured here: ~9 ms a step, on the CPU worker's critical path). Where our own bfloat16
+    GEMM runs the linears (kernels/cpu_linear.py) nothing is built per shape, and a CPU step
+    runs its rows unpadded;
   - a CUDA graph replays fixed shapes, so decode steps run in the graph captured for the
     smallest bucket that holds them (worker_svc/step/cuda_graphs.py).
 
