@@ -68,8 +68,8 @@ RETURNS: dict[str, type] = {"paged_attention": c_int}
 # Entry points of one dtype only (bfloat16 GEMMs, linear.cpp): full name -> (argtypes, restype).
 SINGLE: dict[str, tuple[list[type], type | None]] = {
     "packed_linear_elems": ([c_int, c_int], c_int64),
-    "pack_linear_bf16": ([_P, c_int64, c_int, c_int, _P], c_int),
-    "linear_bf16": ([_P, c_int64, c_int, c_int, _P, c_int, _P, _P, c_int64, c_int], c_int),
+    "pack_linear_bf16": ([_P, c_int64, c_int, c_int, c_int, _P], c_int),
+    "linear_bf16": ([_P, c_int64, c_int, c_int, _P, c_int, _P, _P, c_int64, c_int, c_int, c_int], c_int),
 }
 
 

@@ -6,6 +6,10 @@ its GEMMs read (`mkldnn._reorder_linear_weight`): with AMX, its tile GEMMs are f
 at a decode's 96 rows, and no slower at a prompt's 2,048 (Zen 5, benchmarks/machine_peaks.py
 prints both); and each of its rows is the same sum whatever the batch, where oneDNN's
 single-row kernel rounds otherwise than its kernels for several rows.
+
+A [gate | up] weight can be packed in halves (`halves=True`, our kernel only): then
+`activated` gives silu(gate) * up straight from the GEMM's sums, with the same bits as the GEMM
+and then `cpu_ops.silu_and_mul`, without storing gate and up.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def own_kernel() -> bool:
         return False
     probe = torch.zeros(lib.llmserve_packed_linear_elems(2, 2), dtype=torch.bfloat16)
     return (
-        lib.llmserve_pack_linear_bf16(torch.zeros(2, 2, dtype=torch.bfloat16).data_ptr(), 2, 2, 2, probe.data_ptr())
+        lib.llmserve_pack_linear_bf16(torch.zeros(2, 2, dtype=torch.bfloat16).data_ptr(), 2, 2, 2, 0, probe.data_ptr())
         == 0
     )
 
@@ -51,21 +55,27 @@ def onednn_packs() -> bool:
     return True
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """A bfloat16 CPU weight that one of the two GEMMs can hold packed."""
+def can_pack(weight: torch.Tensor, halves: bool = False) -> bool:
+    """A bfloat16 CPU weight that one of the two GEMMs can hold packed (in halves: ours, with
+    halves of whole 32-column runs)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return False
-    return (own_kernel() and weight.shape[1] % 2 == 0) or onednn_packs()
+    n, k = weight.shape
+    if halves:
+        return own_kernel() and k % 2 == 0 and n % 64 == 0
+    return (own_kernel() and k % 2 == 0) or onednn_packs()
 
 
 class PackedLinear:
     """weight [out_features, in_features], packed; calling it gives x @ weight^T (+ bias)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        if not can_pack(weight):
-            fail("weight", f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on {weight.device}")
+    def __init__(self, weight: torch.Tensor, halves: bool = False) -> None:
+        if not can_pack(weight, halves):
+            what = "in halves " if halves else ""
+            fail("weight", f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight {what}on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.own = own_kernel() and self.in_features % 2 == 0
+        self.halves = halves
         w = weight.detach()
         if self.own:
             lib = load("native")
@@ -73,14 +83,24 @@ class PackedLinear:
             self.data = torch.empty(lib.llmserve_packed_linear_elems(*w.shape), dtype=torch.bfloat16)
             if w.stride(1) != 1:
                 w = w.contiguous()
-            lib.llmserve_pack_linear_bf16(w.data_ptr(), w.stride(0), *w.shape, self.data.data_ptr())
+            lib.llmserve_pack_linear_bf16(w.data_ptr(), w.stride(0), *w.shape, int(halves), self.data.data_ptr())
         else:
             self.data = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.own:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+        return self._gemm_call(x, bias, activate=False)
+
+    def activated(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of x @ weight^T (+ bias) = [gate | up]: [..., out_features / 2]."""
+        if not self.halves:
+            fail("weight", "silu(gate) * up needs a weight packed in halves")
+        return self._gemm_call(x, bias, activate=True)
+
+    def _gemm_call(self, x: torch.Tensor, bias: torch.Tensor | None, activate: bool) -> torch.Tensor:
         k, n = self.in_features, self.out_features
+        width = n // 2 if activate else n
         if not (x.dtype == torch.bfloat16 and x.device == _CPU and x.dim() >= 1 and x.shape[-1] == k):
             check_tensor("x", x, x.dim(), (torch.bfloat16,), device=_CPU)
             fail("x", f"last dimension must be in_features {k}, got {tuple(x.shape)}")
@@ -88,7 +108,7 @@ class PackedLinear:
         rows = x.reshape(-1, k)
         if rows.shape[0] and rows.stride(1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], width, dtype=torch.bfloat16)
         b = None
         if bias is not None:
             if bias.shape != (n,):
@@ -104,7 +124,9 @@ class PackedLinear:
                 n,
                 None if b is None else b.data_ptr(),
                 out.data_ptr(),
-                n,
+                width,
+                int(self.halves),
+                int(activate),
                 torch.get_num_threads(),
             )
-        return out.view(*lead, n)
+        return out.view(*lead, width)

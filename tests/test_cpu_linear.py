@@ -140,4 +140,66 @@ def test_the_portable_build_has_no_gemm() -> None:
     lib = load("portable")
     w = torch.zeros(2, 2, dtype=torch.bfloat16)
     out = torch.zeros(lib.llmserve_packed_linear_elems(2, 2), dtype=torch.bfloat16)
-    assert lib.llmserve_pack_linear_bf16(w.data_ptr(), 2, 2, 2, out.data_ptr()) == -1
+    assert lib.llmserve_pack_linear_bf16(w.data_ptr(), 2, 2, 2, 0, out.data_ptr()) == -1
+
+
+@needs_own
+@pytest.mark.parametrize("rows", [1, 7, 96])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_halves_give_the_gemm_then_silu_bits(rows: int, with_bias: bool) -> None:
+    from kernels.cpu_ops import cpu_kernels
+
+    g = torch.Generator().manual_seed(rows)
+    half = 96
+    w = (torch.randn(2 * half, 576, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(2 * half, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    plain, halves = PackedLinear(w), PackedLinear(w, halves=True)
+    gate_up = plain(x, bias)
+    # Unactivated, the halves packing gives [gate | up] as the plain one does, bit for bit.
+    assert torch.equal(halves(x, bias), gate_up)
+    # Activated: the same bits as the GEMM, then the SiLU kernel.
+    assert torch.equal(halves.activated(x, bias), cpu_kernels().silu_and_mul(gate_up))
+    with pytest.raises(ValueError, match="needs a weight packed in halves"):
+        plain.activated(x)
+    with pytest.raises(ValueError, match="in halves"):
+        PackedLinear(w[:100], halves=True)  # halves of 50 rows: not whole 32-column runs
+
+
+class _Step:
+    active = frozenset({0})
+
+
+class _AddOne:
+    """A LoRA update stand-in that adds 1 to every output of the step."""
+
+    def __init__(self, active: bool) -> None:
+        self.step = _Step() if active else type("Idle", (), {"active": frozenset()})()
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out += 1
+
+
+@needs_own
+def test_gate_up_runs_the_silu_on_the_gemm_unless_a_lora_adds_to_the_step() -> None:
+    from kernels.cpu_ops import cpu_kernels
+    from worker_svc.device.parallel import SINGLE
+    from worker_svc.layers.tp_layers import MergedColumnParallelLinear
+
+    g = torch.Generator().manual_seed(2)
+    layer = MergedColumnParallelLinear(576, 160, SINGLE, dtype=torch.bfloat16)
+    weight = (torch.randn(320, 576, generator=g) * 0.05).bfloat16()
+    layer.weight.data.copy_(weight)
+    layer.pack_for_cpu()
+    assert layer.packed is not None and layer.packed.halves
+    x = torch.randn(9, 576, generator=g).bfloat16()
+    gate_up = PackedLinear(weight)(x)
+    silu = cpu_kernels().silu_and_mul
+    fused = layer.silu_and_mul(x)
+    assert fused is not None and torch.equal(fused, silu(gate_up))
+    layer.lora = _AddOne(active=False)  # adapters loaded, none in this step
+    fused = layer.silu_and_mul(x)
+    assert fused is not None and torch.equal(fused, silu(gate_up))
+    layer.lora = _AddOne(active=True)
+    assert layer.silu_and_mul(x) is None  # the MLP then adds the update before its activation
+    assert torch.equal(layer(x), gate_up + 1)

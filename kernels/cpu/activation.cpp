@@ -1,10 +1,7 @@
-// SwiGLU's gate: x = [gate | up] per row, out = silu(gate) * up, rounded to T after the silu
-// and after the product, as the reference's two torch ops round. silu(g) = g / (1 + exp(-g))
-// with a refined reciprocal instead of a division: in bfloat16 the same bits but for a float
-// ulp at a rounding boundary, now and then.
+// SwiGLU's gate: x = [gate | up] per row, out = silu(gate) * up (silu.h has the roundings).
 #include <omp.h>
 
-#include "vec.h"
+#include "silu.h"
 
 namespace llmserve {
 namespace {
@@ -18,9 +15,7 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t out_stride, int6
     T* o = out + t * out_stride;
     for (int c = 0; c < d; c += 16) {
       const int n = d - c < 16 ? d - c : 16;
-      const V16 g = vload(gate + c, n);
-      const V16 silu = vround<T>(g * vrcp(vset(1.0f) + vexp(vzero() - g)));
-      vstore(o + c, silu * vload(up + c, n), n);
+      vstore(o + c, silu_times<T>(vload(gate + c, n), vload(up + c, n)), n);
     }
   }
 }

@@ -188,6 +188,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = _even(intermediate_size, group, "an MLP intermediate size")
         super().__init__(in_features, {"gate": shard, "up": shard}, bias, dtype)
 
+    def pack_for_cpu(self) -> None:
+        # In halves where our GEMM can: then silu_and_mul runs on its accumulators.
+        self.packed = PackedLinear(self.weight, halves=can_pack(self.weight, halves=True))
+        _drop(self.weight)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up straight from the GEMM (weights packed in halves), or None where it
+        cannot: no such packing, or a LoRA adapter adds to this step's gate and up."""
+        if self.packed is None or not self.packed.halves or (self.lora is not None and self.lora.step.active):
+            return None
+        return self.packed.activated(x, self.bias)
+
 
 def kv_head_range(num_kv_heads: int, group: ParallelGroup) -> tuple[int, int]:
     """(first KV head, count) this rank keeps: a split, or one replicated head when tp > kv heads."""

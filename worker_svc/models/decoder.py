@@ -135,10 +135,12 @@ class MLP(nn.Module):
             shape.hidden_size, inter, group, bias=shape.mlp_bias, dtype=dtype
         )
         self.down_proj = RowParallelLinear(inter, shape.hidden_size, group, bias=shape.mlp_bias, dtype=dtype)
-        self.act: nn.Module = SiluAndMul(kernels) if shape.hidden_act == "silu" else GeluAndMul()
+        self.silu = shape.hidden_act == "silu"
+        self.act: nn.Module = SiluAndMul(kernels) if self.silu else GeluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        fused = self.gate_up_proj.silu_and_mul(x) if self.silu else None
+        return self.down_proj(fused if fused is not None else self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

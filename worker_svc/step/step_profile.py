@@ -1,8 +1,9 @@
 """Where a step's time goes on the worker, by part (`--profile-steps`).
 
 The parts (StepResult.part_seconds): "prepare" (plan checks, block operations, input
-tensors), "embed", "linear" (every projection but the LM head), "attention" (KV store and
-attention), "norm_act" (RMSNorm, rotary, SiLU-and-mul), "lm_head", "sampling" (logit
+tensors), "embed", "linear" (every projection but the LM head, with the SiLU-and-mul the
+gate_up GEMM runs on its sums where it does), "attention" (KV store and attention),
+"norm_act" (RMSNorm, rotary, SiLU-and-mul on its own), "lm_head", "sampling" (logit
 statistics, processing, sampling, log-probabilities) and "forward_other" (what the forward pass
 spends outside those: residual adds, views, Python). The servicer adds "plan_decode" and the
 previous step's "result_encode".
@@ -24,7 +25,13 @@ import torch
 from torch import nn
 
 from worker_svc.layers.replicated import RMSNorm, SiluAndMul
-from worker_svc.layers.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from worker_svc.layers.tp_layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 # Parts measured inside the forward pass; whatever else it spends is "forward_other".
 FORWARD_PARTS = ("embed", "linear", "attention", "norm_act")
@@ -55,6 +62,8 @@ class StepProfile:
             part = self._category(module)
             if part is not None:
                 module.forward = self._timed(module.forward, part)
+            if isinstance(module, MergedColumnParallelLinear):  # gate_up with the SiLU fused
+                module.silu_and_mul = self._timed(module.silu_and_mul, "linear")  # type: ignore[method-assign]
         # Attention and rotary are called per layer but are not modules of their own.
         attention = getattr(model, "attention", None)
         if attention is not None:
