@@ -99,3 +99,14 @@ def test_the_instruction_peak_is_measured_where_the_cpu_has_the_instruction(dtyp
     else:
         # At least one multiply-add instruction every other cycle of a 1 GHz core.
         assert peak is not None and peak > (64 if dtype == "bfloat16" else 32) * 0.5e9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gemm_rate_runs_the_workers_own_gemm(dtype: str) -> None:
+    import machine_peaks
+
+    rate = machine_peaks.gemm_rate({"a": (64, 128), "b": (128, 64)}, m=8, dtype_name=dtype, min_s=0.001, repeats=1)
+    assert rate["m"] == 8 and rate["dtype"] == dtype and set(rate["per_shape"]) == {"a", "b"}
+    # Every shape did its flops in a finite, positive time, and the whole is their total over their sum.
+    assert all(r > 0 for r in rate["per_shape"].values())
+    assert min(rate["per_shape"].values()) <= rate["flops_per_s"] <= max(rate["per_shape"].values())
