@@ -125,6 +125,14 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GeluAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: gelu(gate) (tanh approximation) * up, Gemma's feed-forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * d] -> [..., d]: silu(gate) * up (`kernels` "triton" or "cpu": one kernel)."""
 

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.device.parallel import SINGLE, ParallelGroup
@@ -23,7 +22,7 @@ from worker_svc.device.pipeline import PipelineStage, holds_tensor
 from worker_svc.layers.attention import PagedAttentionBackend, TorchPagedAttention
 from worker_svc.layers.cpu_attention import CpuPagedAttention
 from worker_svc.layers.moe import FusedMoE
-from worker_svc.layers.replicated import KERNELS, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
+from worker_svc.layers.replicated import KERNELS, GeluAndMul, Loaded, RMSNorm, SiluAndMul, cpu_kernels_for
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.layers.tp_layers import (
     MergedColumnParallelLinear,
@@ -117,14 +116,6 @@ class Attention(nn.Module):
         q, k = rotary.rotate(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.softcap)
         return self.o_proj(out.reshape(t, -1))  # out: [tokens, heads, head_dim]
-
-
-class GeluAndMul(nn.Module):
-    """[..., 2 * d] -> [..., d]: gelu(gate) (tanh approximation) * up, Gemma's feed-forward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
 
 
 class MLP(nn.Module):
@@ -259,7 +250,8 @@ class CausalLM(nn.Module):
 
     `attention_backend` "triton" runs attention, the KV store, RMSNorm, rotary and SiLU-and-mul
     through our Triton kernels (matmuls stay with cuBLAS); "cpu" runs them through our C++
-    kernels (matmuls with oneDNN, see `pack_linear_weights`); "torch" keeps everything in torch.
+    kernels (matmuls on weights packed once, see `pack_linear_weights`); "torch" keeps
+    everything in torch.
 
     `group` is this process's tensor-parallel group: the model holds that rank's shard and
     its forward calls the group's collectives (every rank of the group must run it).
@@ -348,7 +340,7 @@ class CausalLM(nn.Module):
         return x
 
     def pack_linear_weights(self) -> None:
-        """Hand every linear weight to oneDNN in its GEMM layout, once (CPU, bfloat16)."""
+        """Pack every linear weight once for the CPU's bfloat16 GEMM (kernels/cpu_linear.py)."""
         for module in self.modules():
             pack = getattr(module, "pack_for_cpu", None)
             weight = getattr(module, "weight", None)
