@@ -2,10 +2,10 @@
 
 Where the CPU has AVX512-BF16 but no AMX and the C++ kernels build, the weight goes into our
 own panel layout (`kernels/cpu/linear.cpp`); elsewhere oneDNN keeps it in the blocked layout
-its GEMMs read (`mkldnn._reorder_linear_weight`): with AMX, its tile GEMMs are far ahead. Ours ran SmolLM2's linears 1.37x faster than oneDNN's
-at a decode's 96 rows, and no slower at a prompt's 2,048 (Zen 5, benchmarks/machine_peaks.py
-prints both); and each of its rows is the same sum whatever the batch, where oneDNN's
-single-row kernel rounds otherwise than its kernels for several rows.
+its GEMMs read (`mkldnn._reorder_linear_weight`): with AMX, its tile GEMMs are far ahead.
+Ours ran SmolLM2's linears 1.37x faster than oneDNN's at a decode's 96 rows, and no slower at
+a prompt's 2,048 (Zen 5, docs/benchmarks.md); and each of its rows is the same sum whatever
+the batch, where oneDNN's single-row kernel rounds otherwise than its kernels for several rows.
 
 A [gate | up] weight can be packed in halves (`halves=True`, our kernel only): then
 `activated` gives silu(gate) * up straight from the GEMM's sums, with the same bits as the GEMM
@@ -55,6 +55,11 @@ def onednn_packs() -> bool:
     return True
 
 
+def _ours(in_features: int) -> bool:
+    """Whether our GEMM takes a weight of this many input features (it reads them in pairs)."""
+    return own_kernel() and in_features % 2 == 0
+
+
 def can_pack(weight: torch.Tensor, halves: bool = False) -> bool:
     """A bfloat16 CPU weight that one of the two GEMMs can hold packed (in halves: ours, with
     halves of whole 32-column runs)."""
@@ -62,8 +67,8 @@ def can_pack(weight: torch.Tensor, halves: bool = False) -> bool:
         return False
     n, k = weight.shape
     if halves:
-        return own_kernel() and k % 2 == 0 and n % 64 == 0
-    return (own_kernel() and k % 2 == 0) or onednn_packs()
+        return _ours(k) and n % 64 == 0
+    return _ours(k) or onednn_packs()
 
 
 class PackedLinear:
@@ -74,7 +79,7 @@ class PackedLinear:
             what = "in halves " if halves else ""
             fail("weight", f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight {what}on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.own = own_kernel() and self.in_features % 2 == 0
+        self.own = _ours(self.in_features)
         self.halves = halves
         w = weight.detach()
         if self.own:

@@ -80,11 +80,6 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    """Whether this weight can be held packed for a CPU GEMM (a bfloat16 CPU weight)."""
-    return can_pack(weight)
-
-
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, packed: PackedLinear | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

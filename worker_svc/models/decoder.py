@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kernels.cpu_linear import can_pack
 from worker_svc.device.parallel import SINGLE, ParallelGroup
 from worker_svc.device.pipeline import PipelineStage, holds_tensor
 from worker_svc.layers.attention import PagedAttentionBackend, TorchPagedAttention
@@ -30,7 +31,6 @@ from worker_svc.layers.tp_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    can_pack_for_cpu,
 )
 from worker_svc.layers.triton_attention import TritonPagedAttention
 from worker_svc.models.shape import DEFAULT_ROPE, ModelShape, text_config
@@ -344,7 +344,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             pack = getattr(module, "pack_for_cpu", None)
             weight = getattr(module, "weight", None)
-            if pack is not None and isinstance(weight, torch.Tensor) and can_pack_for_cpu(weight):
+            if pack is not None and isinstance(weight, torch.Tensor) and can_pack(weight):
                 pack()
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
